@@ -1,0 +1,36 @@
+# One command to run the main job, one to pass the tests; both build the venv themselves.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: venv demo test lint proto bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A CPU build of torch; the package itself accepts a range so GPU users keep theirs.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[server,dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/treadle demo
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+proto: venv
+	cd src && ../$(PY) -m grpc_tools.protoc -I. --python_out=. treadle/wire/tinker.proto
+
+bench: venv
+	$(PY) bench/engine.py
+	$(PY) bench/service.py
+
+clean:
+	rm -rf $(VENV) treadle-data .pytest_cache

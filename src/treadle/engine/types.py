@@ -1,0 +1,99 @@
+"""The engine's own vocabulary: token ids, numpy arrays and plain settings; no HTTP, no DB.
+
+The server translates wire types (treadle.types) into these at its edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LoraSpec:
+    """One training session's adapter. alpha/rank scales the update (PEFT's convention)."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class AdamSpec:
+    """AdamW, numerically torch.optim.AdamW; grad_clip_norm 0 disables clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class TrainDatum:
+    """tokens_T[i] predicts loss_inputs["target_tokens"][i]; inputs are (T,) or (T, K)."""
+
+    tokens: np.ndarray  # (T,) int64
+    loss_inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class TrainBatch:
+    """The data of one session for one forward / forward_backward call."""
+
+    adapter_id: str
+    data: list[TrainDatum]
+    loss_fn: str = "cross_entropy"
+    loss_config: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    """Per datum outputs (always "logprobs", shaped like target_tokens) and `name:reduction` metrics."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+
+
+@dataclass
+class SampleSpec:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_strings: list[str] = field(default_factory=list)
+    stop_tokens: list[int] = field(default_factory=list)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class SampleRequest:
+    """`adapter` is a live adapter id, a snapshot id, or None for the base model."""
+
+    prompt: list[int]
+    num_samples: int = 1
+    params: SampleSpec = field(default_factory=SampleSpec)
+    adapter: str | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass
+class SampledSeq:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSeq]
+    # one entry per prompt position; the first is None (nothing predicts it)
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None

@@ -1,0 +1,161 @@
+"""Build a small real-architecture model folder offline: `treadle make-tiny-model DIR`.
+
+Random weights, but everything else is what a Hugging Face model folder holds: config,
+safetensors, a byte-level BPE tokenizer trained here on generated text (arithmetic word
+problems in the GSM8K style and short chats), special tokens and a ChatML chat template.
+Digits are split one per token, which arithmetic needs. Plain
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it.
+
+    treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS, IM_START, IM_END = SPECIAL_TOKENS
+
+# ChatML; {% generation %} marks assistant text so that
+# apply_chat_template(return_assistant_tokens_mask=True) finds what to train on.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# (hidden, layers, heads, kv_heads, intermediate): tiny ≈ 1M parameters, small ≈ 11M.
+SIZES = {
+    "tiny": (128, 4, 4, 2, 512),
+    "small": (384, 7, 6, 2, 1024),
+}
+VOCAB_SIZE = 1024
+MAX_POSITIONS = 1024
+
+NAMES = ["Max", "Ana", "Li", "Sam", "Omar", "Mia", "Ben", "Zoe", "Ivan", "Nia"]
+OBJECTS = ["apples", "balls", "books", "coins", "pens", "cards", "shells", "stamps", "cups", "rocks"]
+ADD = ["finds {n} more", "buys {n} more", "gets {n} more"]
+SUB = ["gives away {n}", "loses {n}", "sells {n}"]
+CHATS = [
+    ("Hello!", "Hi! How can I help you today?"),
+    ("What is two plus three?", "Two plus three is 5."),
+    ("Tell me a short fact.", "The sun is a star."),
+    ("Can you help me with math?", "Yes. Tell me the problem and I will solve it step by step."),
+    ("Thank you.", "You are welcome!"),
+    ("What color is the sky?", "The sky is usually blue during the day."),
+]
+
+
+def arithmetic_problem(rng: random.Random, max_operand: int = 20) -> tuple[str, str, int]:
+    """One GSM8K-style problem: (question, worked answer ending in '#### n', n)."""
+    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    value = rng.randint(1, max_operand)
+    question = f"{name} has {value} {obj}."
+    steps = []
+    for _ in range(rng.randint(1, 2)):
+        n = rng.randint(1, max_operand)
+        if rng.random() < 0.5 or n > value:
+            question += " He " + rng.choice(ADD).format(n=n) + "."
+            steps.append(f"{value}+{n}={value + n}.")
+            value += n
+        else:
+            question += " He " + rng.choice(SUB).format(n=n) + "."
+            steps.append(f"{value}-{n}={value - n}.")
+            value -= n
+    question += f" How many {obj} does {name} have now?"
+    return question, " ".join(steps) + f" #### {value}", value
+
+
+def corpus(n_problems: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n_problems):
+        q, a, _ = arithmetic_problem(rng)
+        texts.append(f"Question: {q}\nAnswer: {a}")
+        texts.append(f"{IM_START}user\n{q}{IM_END}\n{IM_START}assistant\n{a}{IM_END}\n")
+    for user, assistant in CHATS * 50:
+        texts.append(f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n{assistant}{IM_END}\n")
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0
+) -> Path:
+    """Write a loadable HF model folder to out_dir and return its path."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(corpus(seed=seed)),
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=MAX_POSITIONS,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    hidden, layers, heads, kv_heads, inter = SIZES[size]
+    eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(IM_END)]
+    config = _config(arch, hidden, layers, heads, kv_heads, inter, len(tokenizer), eos_ids)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.pad_token_id = eos_ids[0]
+    model.save_pretrained(out)
+    return out
+
+
+def _config(arch, hidden, layers, heads, kv_heads, inter, vocab, eos_ids):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_ids,
+        pad_token_id=eos_ids[0],
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    return Qwen3Config(head_dim=hidden // heads, **common)

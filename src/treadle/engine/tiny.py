@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from treadle.arithmetic import problem, worked_answer
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, IM_START, IM_END = SPECIAL_TOKENS
 
@@ -40,10 +42,6 @@ SIZES = {
 VOCAB_SIZE = 1024
 MAX_POSITIONS = 1024
 
-NAMES = ["Max", "Ana", "Li", "Sam", "Omar", "Mia", "Ben", "Zoe", "Ivan", "Nia"]
-OBJECTS = ["apples", "balls", "books", "coins", "pens", "cards", "shells", "stamps", "cups", "rocks"]
-ADD = ["finds {n} more", "buys {n} more", "gets {n} more"]
-SUB = ["gives away {n}", "loses {n}", "sells {n}"]
 CHATS = [
     ("Hello!", "Hi! How can I help you today?"),
     ("What is two plus three?", "Two plus three is 5."),
@@ -54,31 +52,12 @@ CHATS = [
 ]
 
 
-def arithmetic_problem(rng: random.Random, max_operand: int = 20) -> tuple[str, str, int]:
-    """One GSM8K-style problem: (question, worked answer ending in '#### n', n)."""
-    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
-    value = rng.randint(1, max_operand)
-    question = f"{name} has {value} {obj}."
-    steps = []
-    for _ in range(rng.randint(1, 2)):
-        n = rng.randint(1, max_operand)
-        if rng.random() < 0.5 or n > value:
-            question += " He " + rng.choice(ADD).format(n=n) + "."
-            steps.append(f"{value}+{n}={value + n}.")
-            value += n
-        else:
-            question += " He " + rng.choice(SUB).format(n=n) + "."
-            steps.append(f"{value}-{n}={value - n}.")
-            value -= n
-    question += f" How many {obj} does {name} have now?"
-    return question, " ".join(steps) + f" #### {value}", value
-
-
 def corpus(n_problems: int = 4000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = []
     for _ in range(n_problems):
-        q, a, _ = arithmetic_problem(rng)
+        q, steps = problem(rng)
+        a, _ = worked_answer(steps)
         texts.append(f"Question: {q}\nAnswer: {a}")
         texts.append(f"{IM_START}user\n{q}{IM_END}\n{IM_START}assistant\n{a}{IM_END}\n")
     for user, assistant in CHATS * 50:

@@ -1,0 +1,74 @@
+"""A run folder: config.json (enough to repeat the run), metrics.jsonl, checkpoints.jsonl.
+
+Re-opening the same folder resumes: the last checkpoint record says where to start.
+MLflow logging is optional: it is used when `mlflow` is installed and a tracking URI is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from treadle.errors import InvalidRequestError
+
+
+class RunDir:
+    def __init__(self, path: str | Path, config: Any, mlflow_uri: str | None = None):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+        self._check_or_write_config()
+        self._mlflow = _start_mlflow(mlflow_uri, self.path.name, self.config) if mlflow_uri else None
+
+    def _check_or_write_config(self) -> None:
+        config_path = self.path / "config.json"
+        if config_path.exists():
+            saved = json.loads(config_path.read_text())
+            # A resumed run must be the same run: a changed knob would silently mix two runs.
+            changed = {k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k)}
+            changed -= {"max_steps"}  # extending a run is allowed
+            if changed:
+                raise InvalidRequestError(
+                    f"{config_path} was written with other settings ({sorted(changed)}); "
+                    "use a new run folder or the same settings"
+                )
+        config_path.write_text(json.dumps(self.config, indent=2, default=str) + "\n")
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._mlflow:
+            self._mlflow.log_metrics({k.replace(":", "_"): v for k, v in metrics.items()}, step=step)
+
+    def metrics(self) -> list[dict[str, float]]:
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def log_checkpoint(self, step: int, **paths: str) -> None:
+        with open(self.path / "checkpoints.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **paths}) + "\n")
+
+    def last_checkpoint(self) -> dict[str, Any] | None:
+        path = self.path / "checkpoints.jsonl"
+        if not path.exists():
+            return None
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return records[-1] if records else None
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """Drop metric lines of steps after `step`: they are repeated after a resume."""
+        kept = [m for m in self.metrics() if m["step"] <= step]
+        (self.path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+
+
+def _start_mlflow(uri: str, run_name: str, config: dict[str, Any]):
+    try:
+        import mlflow
+    except ImportError:
+        return None
+    mlflow.set_tracking_uri(uri)
+    mlflow.start_run(run_name=run_name)
+    mlflow.log_params({k: str(v)[:250] for k, v in config.items()})
+    return mlflow

@@ -1,0 +1,86 @@
+"""Start `treadle serve` as a child process on a free port, for demos, tests and benchmarks.
+
+    with ServerProcess({"treadle/tiny-llama": ".models/tiny-llama"}, data_dir) as server:
+        client = ServiceClient(base_url=server.url)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        models: dict[str, str | Path],
+        data_dir: str | Path,
+        port: int = 0,
+        extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+    ):
+        self.models = models
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.extra_args = extra_args or []
+        self.log_path = Path(log_path) if log_path else self.data_dir / "server.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "treadle.cli", "serve", "--port", str(self.port)]
+        cmd += ["--data-dir", str(self.data_dir), *self.extra_args]
+        for name, path in self.models.items():
+            cmd += ["--model", f"{name}={path}"]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"treadle serve exited early; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"treadle serve not healthy after {self.startup_timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -13,7 +13,18 @@ import random
 import re
 
 NAMES = ["Max", "Ana", "Li", "Sam", "Omar", "Mia", "Ben", "Zoe", "Ivan", "Nia"]
-OBJECTS = ["apples", "balls", "books", "coins", "pens", "cards", "shells", "stamps", "cups", "rocks"]
+OBJECTS = [
+    "apples",
+    "balls",
+    "books",
+    "coins",
+    "pens",
+    "cards",
+    "shells",
+    "stamps",
+    "cups",
+    "rocks",
+]
 ADD = ["finds {n} more", "buys {n} more", "gets {n} more"]
 SUB = ["gives away {n}", "loses {n}", "sells {n}"]
 

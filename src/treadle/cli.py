@@ -1,9 +1,9 @@
 """The `treadle` command: each subcommand parses its flags and calls one importable function.
 
-    treadle serve --model treadle/tiny-llama=.models/tiny-llama --port 8000
-    treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
-    treadle demo
-    treadle plot runs/demo
+treadle serve --model treadle/tiny-llama=.models/tiny-llama --port 8000
+treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
+treadle demo
+treadle plot runs/demo
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Start `treadle serve` as a child process on a free port, for demos, tests and benchmarks.
 
-    with ServerProcess({"treadle/tiny-llama": ".models/tiny-llama"}, data_dir) as server:
-        client = ServiceClient(base_url=server.url)
+with ServerProcess({"treadle/tiny-llama": ".models/tiny-llama"}, data_dir) as server:
+    client = ServiceClient(base_url=server.url)
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ and a run re-opened on the same folder resumes from its last checkpoint.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -145,8 +146,7 @@ def rollout_groups(
                 else:
                     observations[key] = result.next_observation
     return [
-        [Trajectory(transitions[(g, i)]) for i in range(len(envs))]
-        for g, envs in enumerate(envs_G)
+        [Trajectory(transitions[(g, i)]) for i in range(len(envs))] for g, envs in enumerate(envs_G)
     ]
 
 
@@ -194,13 +194,15 @@ def evaluate(
 # ---- the loop -----------------------------------------------------------------------------
 
 
-def train_rl(config: RLConfig, dataset: RLDataset, service=None) -> RunDir:
-    """Run (or resume) GRPO on `dataset`; returns the run folder with its metrics."""
+def train_rl(config: RLConfig, make_dataset: Callable[[Any], RLDataset], service=None) -> RunDir:
+    """Run (or resume) GRPO; `make_dataset(tokenizer)` builds the data once the model's
+    tokenizer is known. Returns the run folder with its metrics."""
     from treadle import ServiceClient
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
     svc = service or ServiceClient(base_url=config.base_url)
     training_client, start_step = _open_training_client(svc, run, config)
+    dataset = make_dataset(training_client.get_tokenizer())
     sampling_client = training_client.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
     adam = AdamParams(
@@ -210,8 +212,13 @@ def train_rl(config: RLConfig, dataset: RLDataset, service=None) -> RunDir:
         eps=1e-8,
         grad_clip_norm=config.grad_clip_norm,
     )
-    bar = tqdm(range(start_step, config.max_steps), desc="rl", initial=start_step,
-               total=config.max_steps, dynamic_ncols=True)
+    bar = tqdm(
+        range(start_step, config.max_steps),
+        desc="rl",
+        initial=start_step,
+        total=config.max_steps,
+        dynamic_ncols=True,
+    )
     for step in bar:
         metrics: dict[str, float] = {}
         if config.eval_every and step % config.eval_every == 0 and dataset.test_groups():
@@ -232,8 +239,9 @@ def train_rl(config: RLConfig, dataset: RLDataset, service=None) -> RunDir:
         rewards = [t.total_reward for g in groups for t in g]
         metrics |= {
             "train/reward": float(np.mean(rewards)),
-            "train/tokens": float(sum(len(tr.action) for g in groups for t in g
-                                      for tr in t.transitions)),
+            "train/tokens": float(
+                sum(len(tr.action) for g in groups for t in g for tr in t.transitions)
+            ),
             "time/sample_s": t1 - t0,
             "time/train_s": t2 - t1,
             **{f"train/{k}": v for k, v in stats.items()},

@@ -20,14 +20,18 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
         self._check_or_write_config()
-        self._mlflow = _start_mlflow(mlflow_uri, self.path.name, self.config) if mlflow_uri else None
+        self._mlflow = (
+            _start_mlflow(mlflow_uri, self.path.name, self.config) if mlflow_uri else None
+        )
 
     def _check_or_write_config(self) -> None:
         config_path = self.path / "config.json"
         if config_path.exists():
             saved = json.loads(config_path.read_text())
             # A resumed run must be the same run: a changed knob would silently mix two runs.
-            changed = {k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k)}
+            changed = {
+                k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k)
+            }
             changed -= {"max_steps"}  # extending a run is allowed
             if changed:
                 raise InvalidRequestError(
@@ -40,7 +44,9 @@ class RunDir:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._mlflow:
-            self._mlflow.log_metrics({k.replace(":", "_"): v for k, v in metrics.items()}, step=step)
+            self._mlflow.log_metrics(
+                {k.replace(":", "_"): v for k, v in metrics.items()}, step=step
+            )
 
     def metrics(self) -> list[dict[str, float]]:
         path = self.path / "metrics.jsonl"

@@ -194,9 +194,15 @@ def evaluate(
 # ---- the loop -----------------------------------------------------------------------------
 
 
-def train_rl(config: RLConfig, make_dataset: Callable[[Any], RLDataset], service=None) -> RunDir:
+def train_rl(
+    config: RLConfig,
+    make_dataset: Callable[[Any], RLDataset],
+    service=None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> RunDir:
     """Run (or resume) GRPO; `make_dataset(tokenizer)` builds the data once the model's
-    tokenizer is known. Returns the run folder with its metrics."""
+    tokenizer is known; `on_step(step, metrics)` sees each step's metrics (e.g. to print a
+    table). Returns the run folder with its metrics."""
     from treadle import ServiceClient
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
@@ -247,6 +253,8 @@ def train_rl(config: RLConfig, make_dataset: Callable[[Any], RLDataset], service
             **{f"train/{k}": v for k, v in stats.items()},
         }
         run.log_metrics(step, metrics)
+        if on_step:
+            on_step(step, metrics)
         if config.save_every and (step + 1) % config.save_every == 0:
             state = training_client.save_state(f"step-{step + 1:06d}").result().path
             run.log_checkpoint(step + 1, state_path=state)
@@ -254,6 +262,8 @@ def train_rl(config: RLConfig, make_dataset: Callable[[Any], RLDataset], service
     final = _final_eval(sampling_client, dataset, config)
     if final:
         run.log_metrics(config.max_steps, final)
+        if on_step:
+            on_step(config.max_steps, final)
     return run
 
 

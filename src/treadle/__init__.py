@@ -3,6 +3,13 @@
 The client SDK lives here; `treadle.engine` and `treadle.server` need the `server` extra.
 """
 
+from treadle.client import (
+    APIFuture,
+    RequestFailedError,
+    SamplingClient,
+    ServiceClient,
+    TrainingClient,
+)
 from treadle.types import (
     AdamParams,
     Datum,
@@ -17,14 +24,19 @@ from treadle.types import (
 )
 
 __all__ = [
+    "APIFuture",
     "AdamParams",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
     "LoraConfig",
     "ModelInput",
+    "RequestFailedError",
     "SampleResponse",
     "SampledSequence",
+    "SamplingClient",
     "SamplingParams",
+    "ServiceClient",
     "TensorData",
+    "TrainingClient",
 ]

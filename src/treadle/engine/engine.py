@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from treadle.engine import checkpoints, train
+from treadle.engine.lora import AdapterBank
+from treadle.engine.models import load_base_model
 from treadle.engine.types import (
     AdamSpec,
     LoraSpec,
@@ -20,27 +23,51 @@ from treadle.engine.types import (
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        model_name: str | None = None,
+    ):
         """Load an HF causal LM folder (config + safetensors + tokenizer) frozen.
 
-        Attributes set: model, tokenizer, vocab_size, max_seq_len, eos_token_ids, model_dir.
+        Attributes set: model, tokenizer, vocab_size, max_seq_len, eos_token_ids, model_dir,
+        and bank (the AdapterBank that routes rows to adapters; see treadle.engine.lora).
+        model_name is what exported adapters name as their base (default: the folder).
         """
-        raise NotImplementedError
+        base = load_base_model(model_dir, dtype=dtype, device=device)
+        self.base = base
+        self.model = base.model
+        self.tokenizer = base.tokenizer
+        self.vocab_size = base.vocab_size
+        self.max_seq_len = base.max_seq_len
+        self.eos_token_ids = base.eos_token_ids
+        self.model_dir = base.model_dir
+        self.device = base.device
+        self.dtype = base.dtype
+        self.model_name = model_name or str(model_dir)
+        self.bank = AdapterBank(self.model)
 
     # ---- adapters ----
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        raise NotImplementedError
+        """A fresh adapter (B = 0: it equals the base until its first optim_step)."""
+        self.bank.create(adapter_id, spec)
 
     def drop_adapter(self, adapter_id: str) -> None:
         """Free the adapter, its gradients and optimizer state (its snapshots stay)."""
-        raise NotImplementedError
+        self.bank.drop(adapter_id)
 
     def snapshot(self, adapter_id: str, snapshot_id: str) -> None:
         """Freeze the adapter's current weights under snapshot_id (memory only, no disk I/O)."""
-        raise NotImplementedError
+        self.bank.snapshot(adapter_id, snapshot_id)
 
     def drop_snapshot(self, snapshot_id: str) -> None:
-        raise NotImplementedError
+        self.bank.drop_snapshot(snapshot_id)
+
+    def adapter_step(self, adapter_id: str) -> int:
+        """How many optim_steps the adapter has taken (restored by load_state)."""
+        return int(self.bank.live(adapter_id).extra.get("step", 0))
 
     # ---- training ----
     def forward_backward(
@@ -51,33 +78,47 @@ class Engine:
         Gradients accumulate into each adapter until its optim_step.
         Raises InvalidRequestError naming the key and expected shape for bad inputs.
         """
-        raise NotImplementedError
+        return train.forward_backward(
+            self.model,
+            self.bank,
+            batches,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            forward_only=forward_only,
+        )
 
     def optim_step(self, adapter_id: str, spec: AdamSpec) -> dict[str, float]:
-        raise NotImplementedError
+        """AdamW (torch's) on the accumulated gradients; returns grad_norm:mean, learning_rate:mean."""
+        return train.optim_step(self.bank.live(adapter_id), spec)
 
     # ---- sampling ----
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         """Decode all requests together (adapters, snapshots or base rows) with a KV cache."""
-        raise NotImplementedError
+        from treadle.engine.sample import sample
+
+        return sample(self, requests)
 
     # ---- checkpoints ----
     def save_adapter(self, adapter_or_snapshot_id: str, out_dir: str | Path) -> None:
         """PEFT format: adapter_config.json + adapter_model.safetensors."""
-        raise NotImplementedError
+        adapter = self.bank.get(adapter_or_snapshot_id)
+        checkpoints.save_adapter(self.bank, adapter, out_dir, self.model_name)
 
     def load_adapter(self, adapter_id: str, in_dir: str | Path) -> None:
         """Create adapter_id from a PEFT adapter folder (weights only, fresh optimizer)."""
-        raise NotImplementedError
+        spec, weights, scales = checkpoints.read_adapter(in_dir, self.bank)
+        self.bank.add(adapter_id, spec, weights, scales)
 
     def save_merged(self, adapter_or_snapshot_id: str, out_dir: str | Path) -> None:
         """A full HF model folder (weights merged, tokenizer copied) plain transformers loads."""
-        raise NotImplementedError
+        adapter = self.bank.get(adapter_or_snapshot_id)
+        checkpoints.save_merged(self.model, adapter, out_dir, self.model_dir)
 
     def save_state(self, adapter_id: str, out_dir: str | Path) -> None:
         """Adapter + AdamW state + step: training continues exactly after load_state."""
-        raise NotImplementedError
+        adapter = self.bank.live(adapter_id)
+        checkpoints.save_state(self.bank, adapter, out_dir, self.model_name)
 
     def load_state(self, adapter_id: str, in_dir: str | Path, with_optimizer: bool = True) -> None:
         """Create (or replace) adapter_id from a saved state."""
-        raise NotImplementedError
+        checkpoints.load_state(self.bank, adapter_id, in_dir, with_optimizer=with_optimizer)

@@ -1,0 +1,104 @@
+"""SamplingClient: generation and scoring with one set of weights (a snapshot, saved sampler
+weights or a base model).
+
+    futs = [sc.sample(tok.encode(q), num_samples=8, sampling_params=params) for q in qs]
+    results = [f.result() for f in futs]      # all were in flight before the first wait
+
+Samples need no ordering: each call is sent at once from the background loop with its own
+`seq_id`, which the server uses to recognise a retried submit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from treadle.client.errors import GoneError
+from treadle.client.futures import APIFuture
+from treadle.client.tokenizer import load_tokenizer
+from treadle.client.transport import Transport
+from treadle.types import ModelInput, SampleResponse, SamplingParams, as_model_input
+from treadle.wire import codec
+from treadle.wire import requests as rq
+
+# A result the server let expire (HTTP 410) is asked for again under a new seq_id.
+MAX_RESUBMITS = 3
+
+
+class SamplingClient:
+    def __init__(self, transport: Transport, sampling_session_id: str, base_model: str | None):
+        self._transport = transport
+        self.sampling_session_id = sampling_session_id
+        self._base_model = base_model
+        self._seq = itertools.count()
+        self._seq_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SamplingClient(sampling_session_id={self.sampling_session_id!r})"
+
+    def _next_seq_id(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def sample(
+        self,
+        prompt: ModelInput | Sequence[int],
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
+        """`num_samples` continuations of `prompt` (token ids or a ModelInput)."""
+        if num_samples < 1:
+            raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
+        body = rq.SampleRequest(
+            num_samples=num_samples,
+            prompt=as_model_input(prompt),
+            sampling_params=sampling_params or SamplingParams(),
+            sampling_session_id=self.sampling_session_id,
+            prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        ).model_dump(mode="json", exclude_none=True)
+        body["seq_id"] = self._next_seq_id()
+        return APIFuture(self._transport.submit(self._sample(body)))
+
+    async def _sample(self, body: dict) -> SampleResponse:
+        for attempt in range(MAX_RESUBMITS + 1):
+            reply = await self._transport.post(
+                "/api/v1/asample", body, headers={"X-Tinker-Sampling-Backpressure": "1"}
+            )
+            try:
+                raw = await self._transport.wait_result(str(reply["request_id"]), "Sample")
+            except GoneError:
+                if attempt == MAX_RESUBMITS:
+                    raise
+                body = {**body, "seq_id": self._next_seq_id()}
+                continue
+            if not isinstance(raw, bytes):
+                raise RuntimeError(f"asample: expected a protobuf result, got {raw!r:.200}")
+            resp = codec.decode_sample_response(raw)
+            ids = reply.get("sample_sequence_ids") or []
+            if len(ids) == len(resp.sequences):
+                for seq, seq_id in zip(resp.sequences, ids, strict=True):
+                    seq.sequence_id = seq_id
+            return resp
+        raise AssertionError("unreachable")
+
+    def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+        """log p(token_i | tokens_<i) for every prompt token; the first is None."""
+        fut = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        return fut.map(lambda r: list(r.prompt_logprobs or []))
+
+    def get_base_model(self) -> str:
+        if self._base_model is None:
+            reply = self._transport.call(
+                self._transport.get(f"/api/v1/samplers/{self.sampling_session_id}")
+            )
+            self._base_model = rq.GetSamplerResponse.model_validate(reply).base_model
+        return self._base_model
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer, fetched from the server and cached locally."""
+        return load_tokenizer(self._transport, self.get_base_model())

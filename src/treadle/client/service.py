@@ -1,0 +1,322 @@
+"""ServiceClient: the entry point of the SDK; one server session, many training clients.
+
+    from treadle import ServiceClient
+    svc = ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...")
+    tc = svc.create_lora_training_client("treadle/tiny-llama", rank=32, alpha=64)
+
+The session (`create_session`, a heartbeat every 10 s, `sessions/{id}/finish`) is opened on
+the first create call and finished by `close()`, by the context manager, or when the last
+training client of this ServiceClient is stopped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+from treadle.client.errors import APIError, GoneError, NotFoundError
+from treadle.client.sampling import SamplingClient
+from treadle.client.tokenizer import load_tokenizer
+from treadle.client.training import TrainingClient
+from treadle.client.transport import SDK_VERSION, RetryPolicy, Transport
+from treadle.types import GetInfoResponse, LoraConfig, SupportedModel
+from treadle.wire import requests as rq
+
+log = logging.getLogger("treadle.client")
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+HEARTBEAT_S = 10.0
+
+_open_clients: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
+
+
+class ServiceClient:
+    """Connects to a Treadle (or any Tinker-protocol) server and creates clients.
+
+    `base_url` and `api_key` default to TREADLE_BASE_URL / TREADLE_API_KEY (then the TINKER_
+    variables, so one environment serves both SDKs).
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        user_metadata: dict[str, str] | None = None,
+        project_id: str | None = None,
+        display_name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 120.0,
+    ):
+        base_url = (
+            base_url
+            or os.environ.get("TREADLE_BASE_URL")
+            or os.environ.get("TINKER_BASE_URL")
+            or DEFAULT_BASE_URL
+        )
+        api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
+        self._user_metadata = user_metadata
+        self._project_id = project_id
+        self._display_name = display_name
+        self.transport = Transport(base_url, api_key, retry=retry, timeout_s=timeout_s)
+        try:
+            self.client_config: dict[str, Any] = self.transport.call(
+                self.transport.post(
+                    "/api/v1/client/config", rq.ClientConfigRequest(sdk_version=SDK_VERSION)
+                )
+            )
+        except BaseException:
+            self.transport.close()
+            raise
+        self._lock = threading.Lock()
+        self._session_id: str | None = None
+        self._heartbeat = None
+        self._model_seq_id = 0
+        self._sampling_seq_id = 0
+        self._training_clients: set[TrainingClient] = set()
+        self._closed = False
+        _open_clients.add(self)
+
+    # ---- session ---------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """The server session, created on first use."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this ServiceClient is closed")
+            if self._session_id is None:
+                body = rq.CreateSessionRequest(
+                    user_metadata=self._user_metadata,
+                    sdk_version=SDK_VERSION,
+                    project_id=self._project_id,
+                    display_name=self._display_name,
+                )
+                reply = self.transport.call(self.transport.post("/api/v1/create_session", body))
+                self._session_id = str(reply["session_id"])
+                self._model_seq_id = 0
+                self._sampling_seq_id = 0
+                self._heartbeat = self.transport.submit(self._beat(self._session_id))
+            return self._session_id
+
+    async def _beat(self, session_id: str) -> None:
+        import asyncio
+
+        body = rq.SessionHeartbeatRequest(session_id=session_id)
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self.transport.post("/api/v1/session_heartbeat", body, retry=False)
+            except GoneError:
+                log.info("session %s has finished; heartbeat stopped", session_id)
+                return
+            except APIError as exc:  # a missed beat is not fatal; the server allows several
+                log.warning("heartbeat of session %s failed: %s", session_id, exc)
+
+    def _next_model_seq_id(self) -> tuple[str, int]:
+        session_id = self.session_id
+        with self._lock:
+            n = self._model_seq_id
+            self._model_seq_id += 1
+        return session_id, n
+
+    def next_sampling_seq_id(self) -> tuple[str, int]:
+        """create_sampling_session and snapshot saves share one counter per session."""
+        session_id = self.session_id
+        with self._lock:
+            n = self._sampling_seq_id
+            self._sampling_seq_id += 1
+        return session_id, n
+
+    def _finish_session(self, reason: str = "success") -> None:
+        with self._lock:
+            session_id, self._session_id = self._session_id, None
+            heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.cancel()
+        if session_id is None:
+            return
+        body = rq.SessionFinishRequest(reason=rq.FinishReason(type=reason))
+        try:
+            self.transport.call(
+                self.transport.post(f"/api/v1/sessions/{session_id}/finish", body), timeout=30
+            )
+        except (APIError, TimeoutError) as exc:
+            log.warning("finishing session %s failed: %s", session_id, exc)
+
+    def _release(self, client: TrainingClient) -> None:
+        """Called by TrainingClient.stop(): the last one out finishes the session."""
+        with self._lock:
+            self._training_clients.discard(client)
+            last = not self._training_clients
+        if last:
+            self._finish_session()
+
+    def close(self, reason: str = "success") -> None:
+        """Stop every training client, finish the session and close connections."""
+        if self._closed:
+            return
+        for client in list(self._training_clients):
+            client.stop(_finish_session=False)
+        self._finish_session(reason)
+        self._closed = True
+        self.transport.close()
+        _open_clients.discard(self)
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close("success" if exc_type is None else "errored")
+
+    # ---- models ----------------------------------------------------------------------
+
+    def get_server_capabilities(self) -> rq.GetServerCapabilitiesResponse:
+        reply = self.transport.call(self.transport.get("/api/v1/get_server_capabilities"))
+        return rq.GetServerCapabilitiesResponse.model_validate(reply)
+
+    def list_base_models(self) -> list[SupportedModel]:
+        """The base models the server serves (use `.model_name` as `base_model`)."""
+        return self.get_server_capabilities().supported_models
+
+    def get_tokenizer(self, base_model: str) -> Any:
+        """The base model's tokenizer, fetched from the server (never from a hub)."""
+        return load_tokenizer(self.transport, base_model)
+
+    # ---- training clients ----------------------------------------------------------------
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        *,
+        alpha: float | None = None,
+        training_session_name: str | None = None,
+    ) -> TrainingClient:
+        """A new LoRA adapter on `base_model`; `alpha` defaults to 32 on the server."""
+        if not (train_mlp or train_attn or train_unembed):
+            raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
+        if training_session_name is not None:
+            user_metadata = {
+                **(user_metadata or {}),
+                "training_session_name": training_session_name,
+            }
+        session_id, model_seq_id = self._next_model_seq_id()
+        body = rq.CreateModelRequest(
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            user_metadata=user_metadata,
+            lora_config=LoraConfig(
+                rank=rank,
+                seed=seed,
+                train_mlp=train_mlp,
+                train_attn=train_attn,
+                train_unembed=train_unembed,
+                alpha=alpha,
+            ),
+        )
+        reply = self._run_future("/api/v1/create_model", body, "CreateModel")
+        return self._attach(str(reply["model_id"]))
+
+    def create_training_client_from_state(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        """A new training client with the weights of a `save_state` checkpoint, fresh Adam."""
+        return self._create_via_load(path, base_model, user_metadata, optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        """As create_training_client_from_state, plus the checkpoint's Adam state."""
+        return self._create_via_load(path, base_model, user_metadata, optimizer=True)
+
+    def _create_via_load(
+        self,
+        path: str,
+        base_model: str | None,
+        user_metadata: dict[str, str] | None,
+        optimizer: bool,
+    ) -> TrainingClient:
+        session_id, model_seq_id = self._next_model_seq_id()
+        body = rq.LoadWeightsRequest(
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            user_metadata=user_metadata,
+            path=path,
+            optimizer=optimizer,
+        )
+        self._run_future("/api/v1/load_weights", body, "LoadWeights")
+        # The protocol fixes the id of a model created by loading.
+        return self._attach(f"{session_id}:train:{model_seq_id}")
+
+    def _run_future(self, path: str, body: Any, request_type: str) -> dict:
+        async def _go() -> dict:
+            reply = await self.transport.post(path, body)
+            result = await self.transport.wait_result(str(reply["request_id"]), request_type)
+            assert isinstance(result, dict), f"{request_type}: expected a JSON result"
+            return result
+
+        return self.transport.call(_go())
+
+    def _attach(self, model_id: str) -> TrainingClient:
+        reply = self.transport.call(
+            self.transport.post("/api/v1/get_info", rq.GetInfoRequest(model_id=model_id))
+        )
+        client = TrainingClient(self, model_id, GetInfoResponse.model_validate(reply))
+        with self._lock:
+            self._training_clients.add(client)
+        return client
+
+    # ---- sampling clients ----------------------------------------------------------------
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """Sample from saved sampler weights (`tinker://.../sampler_weights/...`) or a base."""
+        if model_path is None and base_model is None:
+            raise ValueError("create_sampling_client: give model_path or base_model")
+        session_id, seq = self.next_sampling_seq_id()
+        body = rq.CreateSamplingSessionRequest(
+            session_id=session_id,
+            sampling_session_seq_id=seq,
+            model_path=model_path,
+            base_model=base_model,
+        )
+        reply = self.transport.call(self.transport.post("/api/v1/create_sampling_session", body))
+        return SamplingClient(self.transport, str(reply["sampling_session_id"]), base_model)
+
+    def unload_model(self, model_id: str) -> None:
+        """Free a model's adapter on the server; a server without the route is tolerated."""
+        try:
+            self._run_future(
+                "/api/v1/unload_model", rq.UnloadModelRequest(model_id=model_id), "UnloadModel"
+            )
+        except NotFoundError:
+            pass
+
+
+@atexit.register
+def _close_all() -> None:
+    # Finish sessions at exit, so the server frees adapters now rather than at its timeout.
+    for client in list(_open_clients):
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - best effort while the interpreter exits
+            pass

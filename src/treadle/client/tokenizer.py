@@ -1,0 +1,96 @@
+"""Tokenizers come from the server that serves the model, never from a model hub.
+
+`GET /api/v1/treadle/models/{name}/tokenizer` returns the model folder's tokenizer files;
+they are written under `~/.cache/treadle/tokenizers/<name>/<digest>/` (TREADLE_CACHE_DIR
+moves the root) and loaded with `transformers.AutoTokenizer` when it is installed, else with
+the `tokenizers` library. The digest of the files names the folder, so a server that swaps a
+model under the same name never meets a stale cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.client.transport import Transport
+
+_memo: dict[tuple[str, str], Any] = {}
+_memo_lock = threading.Lock()
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TREADLE_CACHE_DIR")
+    base = Path(env) if env else Path.home() / ".cache" / "treadle"
+    return base / "tokenizers"
+
+
+def _safe_name(name: str) -> str:
+    # keep "org/model" readable as nested folders, but never let a name climb out of the root
+    parts = [
+        re.sub(r"[^A-Za-z0-9._-]", "_", p) for p in name.split("/") if p not in ("", ".", "..")
+    ]
+    return "/".join(parts) or "_"
+
+
+def _files_of(reply: Any) -> dict[str, bytes]:
+    """{filename: bytes} from the route's JSON: {"files": {name: base64}}."""
+    files = reply.get("files") if isinstance(reply, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise ValueError(
+            f"tokenizer route: expected {{'files': {{name: base64}}}}, got {reply!r:.200}"
+        )
+    out = {}
+    for fname, data in files.items():
+        if "/" in fname or fname in ("", ".", ".."):
+            raise ValueError(f"tokenizer route: unsafe file name {fname!r}")
+        out[fname] = base64.b64decode(data)
+    return out
+
+
+def write_files(name: str, files: dict[str, bytes]) -> Path:
+    """Store the files in their digest-named cache folder (atomically) and return it."""
+    digest = hashlib.sha256()
+    for fname in sorted(files):
+        digest.update(fname.encode() + b"\0" + files[fname] + b"\0")
+    folder = cache_root() / _safe_name(name) / digest.hexdigest()[:16]
+    if not folder.exists():
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for fname, data in files.items():
+            (tmp / fname).write_bytes(data)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process won the race; its copy is identical
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+    return folder
+
+
+def load_from_dir(folder: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_tokenizer(transport: Transport, name: str) -> Any:
+    """Fetch (once per process and server), cache and load the tokenizer of `name`."""
+    key = (transport.base_url, name)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+    reply = transport.call(transport.get(f"/api/v1/treadle/models/{name}/tokenizer"))
+    tokenizer = load_from_dir(write_files(name, _files_of(reply)))
+    with _memo_lock:
+        _memo.setdefault(key, tokenizer)
+        return _memo[key]

@@ -1,0 +1,232 @@
+"""Adapters on disk: PEFT-format adapters, merged HF models and training state.
+
+- PEFT adapter: adapter_config.json + adapter_model.safetensors with PEFT's key names
+  (base_model.model.<module path>.lora_A.weight / lora_B.weight), so that
+  peft.PeftModel.from_pretrained(base, dir) gives the engine's logprobs. Also read back,
+  which imports adapters trained elsewhere (rank_pattern, alpha_pattern, rslora included).
+- Merged model: a plain HF folder with W + scale * B A folded in; tokenizer files copied.
+- Training state: the PEFT adapter + AdamW state (optimizer.pt) + step (treadle_state.json);
+  save -> load -> continue equals uninterrupted training bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from treadle.engine.lora import Adapter, AdapterBank
+from treadle.engine.train import optimizer_of
+from treadle.engine.types import LoraSpec
+from treadle.errors import InvalidRequestError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+TREADLE_META = "treadle_adapter.json"
+OPTIMIZER = "optimizer.pt"
+STATE = "treadle_state.json"
+PREFIX = "base_model.model."
+_KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$")
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
+
+
+# ---- PEFT adapters ----
+def save_adapter(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_model: str) -> None:
+    """Write adapter_config.json + adapter_model.safetensors (+ our spec, for seed and flags)."""
+    from peft import LoraConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = {path: pair.A.shape[0] for path, pair in adapter.layers.items()}
+    alphas = {path: pair.scale * ranks[path] for path, pair in adapter.layers.items()}
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    alpha = Counter(alphas.values()).most_common(1)[0][0]
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=_target_modules(bank.model, list(adapter.layers)),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        # full paths as pattern keys: PEFT matches them as `(.*\.)?key$`
+        rank_pattern={re.escape(p): v for p, v in ranks.items() if v != r},
+        alpha_pattern={re.escape(p): v for p, v in alphas.items() if v != alpha},
+    )
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(out))
+    tensors = {}
+    for path, pair in adapter.layers.items():
+        tensors[f"{PREFIX}{path}.lora_A.weight"] = pair.A.detach().cpu().contiguous()
+        tensors[f"{PREFIX}{path}.lora_B.weight"] = pair.B.detach().cpu().contiguous()
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / TREADLE_META).write_text(json.dumps({"spec": asdict(adapter.spec)}, indent=2))
+
+
+def _target_modules(model: nn.Module, paths: list[str]) -> list[str] | str:
+    """Leaf names when they select exactly these modules, else a full-path regex."""
+    leaves = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    matched = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in leaves
+    }
+    if matched == set(paths):
+        return leaves
+    return "^(" + "|".join(re.escape(p) for p in sorted(paths)) + ")$"
+
+
+def read_adapter(
+    in_dir: str | Path, bank: AdapterBank
+) -> tuple[LoraSpec, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]:
+    """(spec, {module path: (A, B)}, {module path: scale}) of a PEFT LoRA adapter folder."""
+    folder = Path(in_dir)
+    cfg_file, weights_file = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise InvalidRequestError(
+            f"adapter folder must hold {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; "
+            f"found {sorted(p.name for p in folder.iterdir()) if folder.is_dir() else 'nothing'}"
+        )
+    cfg = json.loads(cfg_file.read_text())
+    _check_peft_config(cfg)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise InvalidRequestError(
+                f"{ADAPTER_WEIGHTS} key {key!r} is not a LoRA linear weight; expected "
+                f"'{PREFIX}<module>.lora_A.weight' or '.lora_B.weight'"
+            )
+        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    scales: dict[str, float] = {}
+    for path, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise InvalidRequestError(f"{ADAPTER_WEIGHTS}: module {path!r} lacks lora_A or lora_B")
+        r = ab["lora_A"].shape[0]
+        alpha = float(cfg.get("lora_alpha", 8))
+        for pattern, value in (cfg.get("alpha_pattern") or {}).items():
+            if re.match(rf"(.*\.)?({pattern})$", path):
+                alpha = float(value)
+                break
+        weights[path] = (ab["lora_A"], ab["lora_B"])
+        scales[path] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    if not weights:
+        raise InvalidRequestError(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
+    spec = _spec_of(folder, cfg, weights, bank)
+    return spec, weights, scales
+
+
+def _check_peft_config(cfg: dict) -> None:
+    unsupported = {
+        "peft_type": (cfg.get("peft_type"), "LORA"),
+        "use_dora": (cfg.get("use_dora", False), False),
+        "bias": (cfg.get("bias", "none"), "none"),
+        "fan_in_fan_out": (cfg.get("fan_in_fan_out", False), False),
+        "lora_bias": (cfg.get("lora_bias", False), False),
+    }
+    for key, (got, expected) in unsupported.items():
+        if got != expected:
+            raise InvalidRequestError(
+                f"{ADAPTER_CONFIG}: {key} must be {expected!r} for this engine, got {got!r}"
+            )
+    if cfg.get("modules_to_save"):
+        raise InvalidRequestError(
+            f"{ADAPTER_CONFIG}: modules_to_save must be empty (full-weight modules are not "
+            f"supported), got {cfg['modules_to_save']!r}"
+        )
+
+
+def _spec_of(folder: Path, cfg: dict, weights: dict, bank: AdapterBank) -> LoraSpec:
+    meta = folder / TREADLE_META
+    if meta.is_file():
+        return LoraSpec(**json.loads(meta.read_text())["spec"])
+    kinds = {bank.targets.get(path) for path in weights}
+    rank = int(cfg.get("r", next(iter(weights.values()))[0].shape[0]))
+    return LoraSpec(
+        rank=rank,
+        alpha=float(cfg.get("lora_alpha", rank)),
+        seed=0,
+        train_attn="attn" in kinds,
+        train_mlp="mlp" in kinds,
+        train_unembed="unembed" in kinds,
+    )
+
+
+# ---- merged model ----
+def save_merged(model: nn.Module, adapter: Adapter, out_dir: str | Path, model_dir: Path) -> None:
+    """A full HF folder: every LoRA'd weight W becomes W + scale * B A; the rest is the base.
+
+    With tied embeddings and a LoRA on lm_head the merged lm_head differs from the input
+    embedding, so the folder is saved untied (tie_word_embeddings false) and holds both.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = dict(model.state_dict())
+    for path, pair in adapter.layers.items():
+        W = state[f"{path}.weight"]  # (out, in)
+        delta = (pair.B.detach().float() @ pair.A.detach().float()) * pair.scale  # (out, in)
+        state[f"{path}.weight"] = (W.float() + delta.to(W.device)).to(W.dtype)
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    head = next((p for p, m in model.named_modules() if m is out_emb), None)
+    untie = (
+        out_emb is not None
+        and in_emb is not None
+        and out_emb.weight is in_emb.weight
+        and head in adapter.layers
+    )
+    config = model.config
+    was_tied = getattr(config, "tie_word_embeddings", False)
+    try:
+        if untie:
+            config.tie_word_embeddings = False
+        model.save_pretrained(str(out), state_dict=state)
+    finally:
+        config.tie_word_embeddings = was_tied
+    for item in Path(model_dir).iterdir():
+        skip = item.name in ("config.json", "generation_config.json") or _WEIGHT_FILES.match(
+            item.name
+        )
+        if item.is_file() and not skip and not (out / item.name).exists():
+            shutil.copy2(item, out / item.name)
+
+
+# ---- training state ----
+def save_state(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_model: str) -> None:
+    """The PEFT adapter + AdamW state + step: load_state then continues bit for bit."""
+    out = Path(out_dir)
+    save_adapter(bank, adapter, out, base_model)
+    opt = adapter.extra.get("optimizer")
+    if opt is not None:
+        torch.save(opt.state_dict(), out / OPTIMIZER)
+    state = {"format": 1, "step": int(adapter.extra.get("step", 0))}
+    (out / STATE).write_text(json.dumps(state, indent=2))
+
+
+def load_state(
+    bank: AdapterBank, adapter_id: str, in_dir: str | Path, with_optimizer: bool = True
+) -> Adapter:
+    """Create (or replace) adapter_id from save_state's folder (or any PEFT adapter folder)."""
+    folder = Path(in_dir)
+    spec, weights, scales = read_adapter(folder, bank)
+    adapter = bank.add(adapter_id, spec, weights, scales, replace=True)
+    if with_optimizer:
+        meta = json.loads((folder / STATE).read_text()) if (folder / STATE).is_file() else {}
+        adapter.extra["step"] = int(meta.get("step", 0))
+        if (folder / OPTIMIZER).is_file():
+            state = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+            opt = optimizer_of(adapter)
+            if len(state["param_groups"][0]["params"]) != len(adapter.parameters()):
+                raise InvalidRequestError(
+                    f"{OPTIMIZER} holds state for {len(state['param_groups'][0]['params'])} "
+                    f"tensors, expected {len(adapter.parameters())} for this adapter"
+                )
+            opt.load_state_dict(state)
+    return adapter

@@ -1,0 +1,316 @@
+"""One frozen base model, many LoRA adapters, each batch row routed to its own adapter.
+
+peft can mix adapters in one batch only for inference, so the engine has its own LoRA:
+a forward hook on every targeted nn.Linear adds `scale * B(A(x))` of each row's adapter.
+The module tree and the base weights stay untouched (tied embeddings included), and an
+adapter costs only its A/B tensors (plus optimizer state while it trains).
+
+Routing contract (the trainer and the sampler both rely on it):
+
+    with bank.rows(["sess-1", "sess-1", "snap-7", None]):
+        logits = model(input_ids).logits      # row 0,1: adapter sess-1; row 2: snapshot; row 3: base
+
+A key is a live adapter id, a snapshot id or None (the base model). Within one model call
+the rows of each distinct adapter are gathered with index_select and their update
+scattered back with index_add, so one pass (forward and backward) serves all of them;
+when every row uses the same adapter no indexing happens at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treadle.engine.types import LoraSpec
+from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
+
+ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"
+_ATTN_PARTS = ("attn", "attention")
+_MLP_PARTS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass
+class LoraPair:
+    """The update of one nn.Linear: W x + scale * B (A x)."""
+
+    A: torch.Tensor  # (r, in)
+    B: torch.Tensor  # (out, r)
+    scale: float
+
+
+@dataclass
+class Adapter:
+    """A live adapter (nn.Parameters that train) or a snapshot (detached frozen tensors)."""
+
+    id: str
+    spec: LoraSpec
+    layers: dict[str, LoraPair]  # module path -> pair, sorted by path
+    trainable: bool
+    extra: dict = field(default_factory=dict)  # free slot for the trainer (optimizer, step)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """A and B of each module, in module-path order (the order optimizer state uses)."""
+        out: list[torch.Tensor] = []
+        for pair in self.layers.values():
+            out += [pair.A, pair.B]
+        return out
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+@dataclass
+class _Group:
+    adapter: Adapter
+    index: torch.Tensor  # (n,) rows that use this adapter
+
+
+@dataclass
+class _Route:
+    n_rows: int
+    whole: Adapter | None  # set when every row uses this one adapter (no indexing)
+    groups: list[_Group]
+
+
+def classify_linear_modules(model: nn.Module) -> dict[str, str]:
+    """Module path -> ATTN | MLP | UNEMBED for every nn.Linear LoRA may target.
+
+    Attention and MLP projections are recognised by a parent named like `self_attn` / `mlp`,
+    which covers Llama, Qwen, Mistral and Gemma; the unembedding is get_output_embeddings().
+    """
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if module is out_emb:
+            found[name] = UNEMBED
+            continue
+        parents = name.split(".")[:-1]
+        if any(any(p in part for p in _ATTN_PARTS) for part in parents):
+            found[name] = ATTN
+        elif any(any(p in part for p in _MLP_PARTS) for part in parents):
+            found[name] = MLP
+    return dict(sorted(found.items()))
+
+
+def init_lora_a(A: torch.Tensor, generator: torch.Generator) -> None:
+    """PEFT's default init of lora_A (kaiming-uniform, a=sqrt(5)), from our own generator."""
+    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+
+
+class AdapterBank:
+    """Adapters and snapshots of one base model, and the row routing of its LoRA layers."""
+
+    def __init__(self, model: nn.Module, param_dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.param_dtype = param_dtype  # adapters train in fp32 even on a bf16 base
+        self.modules: dict[str, nn.Module] = dict(model.named_modules())
+        self.targets = classify_linear_modules(model)
+        self.adapters: dict[str, Adapter] = {}
+        self.snapshots: dict[str, Adapter] = {}
+        self._hooked: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._route: _Route | None = None
+
+    # ---- adapters ----
+    def target_paths(self, spec: LoraSpec) -> list[str]:
+        wanted = {ATTN: spec.train_attn, MLP: spec.train_mlp, UNEMBED: spec.train_unembed}
+        return [path for path, kind in self.targets.items() if wanted[kind]]
+
+    def create(self, adapter_id: str, spec: LoraSpec) -> Adapter:
+        """A fresh adapter: A kaiming-uniform from spec.seed, B zero, so it equals the base."""
+        _check_spec(spec)
+        paths = self.target_paths(spec)
+        if not paths:
+            raise InvalidRequestError(
+                "lora spec trains nothing: set at least one of train_attn, train_mlp, "
+                f"train_unembed to true (got {spec.train_attn}, {spec.train_mlp}, "
+                f"{spec.train_unembed}), or this model has no such layers"
+            )
+        gen = torch.Generator(device="cpu").manual_seed(int(spec.seed))
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for path in paths:
+            lin = self.modules[path]
+            A = torch.empty(spec.rank, lin.in_features, dtype=self.param_dtype)  # (r, in)
+            init_lora_a(A, gen)
+            B = torch.zeros(lin.out_features, spec.rank, dtype=self.param_dtype)  # (out, r)
+            weights[path] = (A, B)
+        scale = spec.alpha / spec.rank
+        return self.add(adapter_id, spec, weights, {p: scale for p in paths})
+
+    def add(
+        self,
+        adapter_id: str,
+        spec: LoraSpec,
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        scales: dict[str, float],
+        replace: bool = False,
+    ) -> Adapter:
+        """Register a live adapter from given A/B tensors (copied); used by loaders too."""
+        for path in sorted(weights):
+            A, B = weights[path]
+            lin = self._linear(path)
+            r = A.shape[0]
+            if tuple(A.shape) != (r, lin.in_features) or tuple(B.shape) != (lin.out_features, r):
+                raise InvalidRequestError(
+                    f"lora weights of {path!r}: A has shape {tuple(A.shape)}, B "
+                    f"{tuple(B.shape)}, expected ({r}, {lin.in_features}) and "
+                    f"({lin.out_features}, {r})"
+                )
+        if replace and adapter_id in self.adapters:
+            self.drop(adapter_id)
+        self._check_free(adapter_id)
+        device = self._device()
+        layers: dict[str, LoraPair] = {}
+        for path in sorted(weights):
+            A, B = weights[path]
+            A = nn.Parameter(A.detach().to(device, self.param_dtype).clone())  # (r, in)
+            B = nn.Parameter(B.detach().to(device, self.param_dtype).clone())  # (out, r)
+            layers[path] = LoraPair(A, B, float(scales[path]))
+            self._hook(path)
+        adapter = Adapter(adapter_id, spec, layers, trainable=True)
+        self.adapters[adapter_id] = adapter
+        return adapter
+
+    def drop(self, adapter_id: str) -> None:
+        """Free the adapter's tensors, gradients and whatever the trainer kept in .extra."""
+        adapter = self.adapters.pop(adapter_id, None)
+        if adapter is None:
+            raise NotFoundError(f"adapter {adapter_id!r} does not exist")
+        adapter.layers.clear()
+        adapter.extra.clear()
+
+    def snapshot(self, adapter_id: str, snapshot_id: str) -> Adapter:
+        """Freeze a copy of the adapter's current weights (memory only, detached)."""
+        src = self.live(adapter_id)
+        self._check_free(snapshot_id)
+        layers = {
+            path: LoraPair(p.A.detach().clone(), p.B.detach().clone(), p.scale)
+            for path, p in src.layers.items()
+        }
+        snap = Adapter(snapshot_id, src.spec, layers, trainable=False)
+        self.snapshots[snapshot_id] = snap
+        return snap
+
+    def drop_snapshot(self, snapshot_id: str) -> None:
+        if self.snapshots.pop(snapshot_id, None) is None:
+            raise NotFoundError(f"snapshot {snapshot_id!r} does not exist")
+
+    def live(self, adapter_id: str) -> Adapter:
+        try:
+            return self.adapters[adapter_id]
+        except KeyError:
+            raise NotFoundError(f"adapter {adapter_id!r} does not exist") from None
+
+    def get(self, key: str) -> Adapter:
+        """A live adapter or a snapshot by id."""
+        found = self.adapters.get(key) or self.snapshots.get(key)
+        if found is None:
+            raise NotFoundError(f"no adapter or snapshot with id {key!r}")
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.adapters or key in self.snapshots
+
+    # ---- routing ----
+    @contextmanager
+    def rows(self, keys: list[str | None]) -> Iterator[None]:
+        """Route row i of the next model calls to adapter keys[i] (None: the base model)."""
+        route = self._plan(list(keys))
+        previous, self._route = self._route, route
+        try:
+            yield
+        finally:
+            self._route = previous
+
+    def _plan(self, keys: list[str | None]) -> _Route:
+        adapters = {k: self.get(k) for k in dict.fromkeys(keys) if k is not None}
+        if len(adapters) == 1 and None not in keys:
+            return _Route(len(keys), next(iter(adapters.values())), [])
+        device = self._device()
+        groups = [
+            _Group(
+                adapter,
+                torch.tensor([i for i, k in enumerate(keys) if k == key], device=device),
+            )
+            for key, adapter in adapters.items()
+        ]
+        return _Route(len(keys), None, groups)
+
+    def _hook(self, path: str) -> None:
+        if path in self._hooked:
+            return
+
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            route = self._route
+            if route is None:
+                return None
+            x = args[0]  # (B, T, in)
+            if x.shape[0] != route.n_rows:
+                raise RuntimeError(
+                    f"{path}: input has {x.shape[0]} rows but rows() routed {route.n_rows}"
+                )
+            if route.whole is not None:
+                pair = route.whole.layers.get(path)
+                if pair is None:
+                    return None
+                return (out + _delta(x, pair)).to(out.dtype)  # (B, T, out)
+            result = None
+            for group in route.groups:
+                pair = group.adapter.layers.get(path)
+                if pair is None:
+                    continue
+                idx = group.index
+                d = _delta(x.index_select(0, idx), pair)  # (n, T, out)
+                # add in the adapter dtype, then round: the same numbers as the one-adapter path
+                rows = (out.index_select(0, idx) + d).to(out.dtype)  # (n, T, out)
+                if result is None:
+                    result = out.index_copy(0, idx, rows)  # (B, T, out)
+                else:
+                    # our own tensor, not saved by autograd: safe to update in place
+                    result.index_copy_(0, idx, rows)
+            return result
+
+        self._hooked[path] = self.modules[path].register_forward_hook(hook)
+
+    def remove_hooks(self) -> None:
+        """Detach the bank from the model (the base then runs as plain transformers)."""
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+
+    # ---- helpers ----
+    def _linear(self, path: str) -> nn.Linear:
+        lin = self.modules.get(path)
+        if not isinstance(lin, nn.Linear):
+            raise InvalidRequestError(
+                f"lora target {path!r} is not a linear layer of this model; expected one of "
+                f"{list(self.targets)[:4]}..."
+            )
+        return lin
+
+    def _check_free(self, key: str) -> None:
+        if key in self:
+            raise ConflictError(f"id {key!r} is already used by an adapter or snapshot")
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:
+    """scale * B(A x) in the adapter's dtype (PEFT casts the input the same way)."""
+    x = x.to(pair.A.dtype)
+    return F.linear(F.linear(x, pair.A), pair.B) * pair.scale  # (..., out)
+
+
+def _check_spec(spec: LoraSpec) -> None:
+    if not isinstance(spec.rank, int) or spec.rank < 1:
+        raise InvalidRequestError(f"lora rank must be an integer >= 1, got {spec.rank!r}")
+    if not math.isfinite(spec.alpha) or spec.alpha <= 0:
+        raise InvalidRequestError(f"lora alpha must be a finite number > 0, got {spec.alpha!r}")

@@ -1,0 +1,337 @@
+"""Batched sampling with a KV cache: every request of a call decodes in one batch.
+
+`sample(engine, requests)` is what `Engine.sample` runs. One call mixes requests of several
+adapters (or snapshots, or the base model), prompt lengths and sampling settings:
+
+1. prefill: each distinct (adapter, prompt) is run once, left-padded into one batch, with the
+   per-row adapter keys handed to `engine.bank.rows`; prompt logprobs come out of this pass;
+2. expand: the cache rows are repeated so that the `num_samples` completions of a prompt share
+   its single prefill;
+3. decode: one token per row per step, chosen by `sample_utils.pick_tokens` (vectorised
+   temperature / top-k / top-p, one pre-drawn uniform per row and step); finished rows are
+   dropped from the batch once enough of them have finished, so they stop costing work.
+
+Logprobs reported for sampled tokens are log_softmax of the raw logits in fp32, not of the
+temperature / top-k / top-p adjusted distribution: the trainer computes exactly this quantity
+for the same tokens, so importance ratios between sampler and trainer are 1 when the weights
+are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from treadle.engine.sample_utils import (
+    StopStringMatcher,
+    pick_tokens,
+    prompt_logprobs_of_row,
+    validate_request,
+)
+from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
+
+
+@functools.cache
+def _cache_arg(model_type: type) -> str:
+    """transformers 5.x names the KV cache argument and output `cache`, 4.x `past_key_values`."""
+    params = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+# Drop finished rows from the decode batch once this fraction of the batch has finished:
+# compaction copies the whole KV cache, so doing it for every single finished row costs more
+# than it saves.
+COMPACT_FRACTION = 0.25
+
+
+@dataclass
+class _Decode:
+    """State of the rows still in the decode batch; `rows` maps batch index -> output row."""
+
+    rows: torch.Tensor  # (n,) int64 index into the (N, M) output buffers
+    keys: list[str | None]  # adapter key per batch row, what engine.bank.rows receives
+    prompt_len: torch.Tensor  # (n,) int64
+    temperature: torch.Tensor  # (n,) fp32, 1 where greedy so that dividing is harmless
+    greedy: torch.Tensor  # (n,) bool
+    top_k: torch.Tensor  # (n,) int64, V where off
+    top_p: torch.Tensor  # (n,) fp32
+    max_tokens: torch.Tensor  # (n,) int64
+    stop_ids: torch.Tensor  # (n, S) int64, -1 pads
+    uniforms: torch.Tensor  # (n, M) fp32, the random draw of each step
+    mask: torch.Tensor  # (n, T + M) int64 attention mask, left padding zeros
+    done: torch.Tensor  # (n,) bool
+    matchers: dict[int, StopStringMatcher] = field(default_factory=dict)  # by output row
+    _matcher_pos: list[int] | None = None
+
+    def matcher_pos(self) -> list[int]:
+        """Batch positions of the rows that have stop strings."""
+        if self._matcher_pos is None:
+            self._matcher_pos = [b for b, r in enumerate(self.rows.tolist()) if r in self.matchers]
+        return self._matcher_pos
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep batch rows `keep` (a (n',) index tensor) in every per-row tensor."""
+        kept = keep.tolist()
+        self.keys = [self.keys[i] for i in kept]
+        for name in (
+            "rows", "prompt_len", "temperature", "greedy", "top_k", "top_p",
+            "max_tokens", "stop_ids", "uniforms", "mask", "done",
+        ):  # fmt: skip
+            setattr(self, name, getattr(self, name)[keep])
+        self._matcher_pos = None
+
+
+def sample(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
+    """Run all requests together and return one SampleResult per request, in order.
+
+    `engine` provides model, bank (bank.rows(keys) routes batch rows to adapters), tokenizer,
+    eos_token_ids, vocab_size, max_seq_len and device. Raises InvalidRequestError naming the
+    field for any invalid request, before any model work.
+    """
+    for i, req in enumerate(requests):
+        validate_request(engine, req, i)
+    with torch.inference_mode():
+        return _run(engine, requests)
+
+
+def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
+    device = torch.device(engine.device)
+    results = [SampleResult(sequences=[]) for _ in requests]
+
+    # One prefill row per distinct (adapter, prompt); requests that want neither prompt
+    # logprobs nor new tokens need no model work at all.
+    prefill_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    row_of_req: list[int] = []
+    for req in requests:
+        if _wants_prompt_logprobs(req) or req.params.max_tokens > 0:
+            key = (req.adapter, tuple(req.prompt))
+            row_of_req.append(prefill_of.setdefault(key, len(prefill_of)))
+        else:
+            row_of_req.append(-1)
+    prefill_keys = list(prefill_of)
+    if not prefill_keys:
+        for req, res in zip(requests, results, strict=True):
+            res.sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
+        return results
+
+    generating = [i for i, r in enumerate(requests) if r.params.max_tokens > 0]
+    full_logits = any(_wants_prompt_logprobs(r) for r in requests)
+    logits, cache, T = _prefill(engine, prefill_keys, full_logits, use_cache=bool(generating))
+
+    # Prompt logprobs, computed once per (prefill row, top-K) even if several requests share it.
+    memo: dict[tuple[int, int], tuple[list, list | None]] = {}
+    for i, req in enumerate(requests):
+        if not _wants_prompt_logprobs(req):
+            continue
+        p = row_of_req[i]
+        k = req.topk_prompt_logprobs
+        if (p, k) not in memo:
+            memo[(p, k)] = prompt_logprobs_of_row(logits[p], prefill_keys[p][1], T, k)
+        lps, topk = memo[(p, k)]
+        if req.prompt_logprobs:
+            results[i].prompt_logprobs = lps
+        if k > 0:
+            results[i].topk_prompt_logprobs = topk
+
+    for i, req in enumerate(requests):
+        if req.params.max_tokens == 0:
+            results[i].sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
+    if not generating:
+        return results
+
+    last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
+    del logits
+    state, src = _expand(engine, requests, generating, row_of_req, prefill_keys, T, device)
+    if src is not None:
+        cache.batch_select_indices(src)
+        last = last[src]  # (N, V)
+    tokens, logprobs, length, stopped = _decode(engine, state, cache, last, T)
+
+    tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
+    length_l, stopped_l = length.tolist(), stopped.tolist()
+    row = 0
+    for i in generating:
+        seqs = []
+        for _ in range(requests[i].num_samples):
+            n = length_l[row]
+            reason = "stop" if stopped_l[row] else "length"
+            seqs.append(SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason))
+            row += 1
+        results[i].sequences = seqs
+    return results
+
+
+def _wants_prompt_logprobs(req: SampleRequest) -> bool:
+    return req.prompt_logprobs or req.topk_prompt_logprobs > 0
+
+
+def _prefill(
+    engine: Any,
+    prefill_keys: list[tuple[str | None, tuple[int, ...]]],
+    full_logits: bool,
+    use_cache: bool,
+) -> tuple[torch.Tensor, Any, int]:
+    """One left-padded forward over the distinct prompts: (logits, cache, padded length T).
+
+    Logits are (P, T, V) when some request wants prompt logprobs, else (P, 1, V).
+    """
+    device = torch.device(engine.device)
+    lens = [len(p) for _, p in prefill_keys]
+    P, T = len(lens), max(lens)
+    ids = torch.zeros(P, T, dtype=torch.long)  # (P, T); pad id 0 is masked out anyway
+    for r, (_, prompt) in enumerate(prefill_keys):
+        ids[r, T - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    pos = torch.arange(T)[None, :] - (T - lens_t)[:, None]  # (P, T), negative on padding
+    mask = (pos >= 0).long()  # (P, T)
+    pos = pos.clamp(min=0)
+    with engine.bank.rows([a for a, _ in prefill_keys]):
+        out = engine.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=pos.to(device),
+            use_cache=use_cache,
+            logits_to_keep=0 if full_logits else 1,
+        )
+    cache = getattr(out, _cache_arg(type(engine.model))) if use_cache else None
+    return out.logits, cache, T
+
+
+def _expand(
+    engine: Any,
+    requests: list[SampleRequest],
+    generating: list[int],
+    row_of_req: list[int],
+    prefill_keys: list[tuple[str | None, tuple[int, ...]]],
+    T: int,
+    device: torch.device,
+) -> tuple[_Decode, torch.Tensor | None]:
+    """Per-row decode state (one row per sample) and the prefill row each one reads.
+
+    The second value is None when the decode rows are exactly the prefill rows.
+    """
+    V = int(engine.vocab_size)
+    eos = [int(t) for t in engine.eos_token_ids]
+    M = max(requests[i].params.max_tokens for i in generating)
+    src, keys, plen, temp, topk, topp, maxtok, stops, unif = [], [], [], [], [], [], [], [], []
+    matchers: dict[int, StopStringMatcher] = {}
+    for i in generating:
+        req, sp = requests[i], requests[i].params
+        # One generator per request, drawn on the CPU: sample j of a request with a given seed
+        # gets the same uniforms whatever else is in the batch and whatever the device.
+        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        u = torch.rand(req.num_samples, sp.max_tokens, generator=gen)  # (num_samples, m)
+        u = torch.nn.functional.pad(u, (0, M - sp.max_tokens))  # (num_samples, M)
+        stop_ids = list(dict.fromkeys(sp.stop_tokens + (eos if sp.stop_at_eos else [])))
+        for j in range(req.num_samples):
+            if sp.stop_strings:
+                matchers[len(src)] = StopStringMatcher(engine.tokenizer, sp.stop_strings)
+            src.append(row_of_req[i])
+            keys.append(req.adapter)
+            plen.append(len(req.prompt))
+            temp.append(sp.temperature if sp.temperature > 0 else 1.0)
+            topk.append(sp.top_k if sp.top_k > 0 else V)
+            topp.append(sp.top_p)
+            maxtok.append(sp.max_tokens)
+            stops.append(stop_ids)
+            unif.append(u[j])
+    N, S = len(src), max(len(s) for s in stops)
+    stop_t = torch.full((N, S), -1, dtype=torch.long)
+    for r, s in enumerate(stops):
+        stop_t[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+    plen_t = torch.tensor(plen, dtype=torch.long)
+    mask = torch.ones(N, T + M, dtype=torch.long)  # (N, T + M)
+    mask[:, :T] = (torch.arange(T)[None, :] >= (T - plen_t)[:, None]).long()
+    greedy = torch.tensor([requests[i].params.temperature == 0 for i in generating])
+    greedy = greedy.repeat_interleave(torch.tensor([requests[i].num_samples for i in generating]))
+    state = _Decode(
+        rows=torch.arange(N, device=device),
+        keys=keys,
+        prompt_len=plen_t.to(device),
+        temperature=torch.tensor(temp, dtype=torch.float32, device=device),
+        greedy=greedy.to(device),
+        top_k=torch.tensor(topk, dtype=torch.long, device=device),
+        top_p=torch.tensor(topp, dtype=torch.float32, device=device),
+        max_tokens=torch.tensor(maxtok, dtype=torch.long, device=device),
+        stop_ids=stop_t.to(device),
+        uniforms=torch.stack(unif).to(device),
+        mask=mask.to(device),
+        done=torch.zeros(N, dtype=torch.bool, device=device),
+        matchers=matchers,
+    )
+    identity = src == list(range(len(prefill_keys)))
+    return state, None if identity else torch.tensor(src, dtype=torch.long, device=device)
+
+
+def _decode(
+    engine: Any, st: _Decode, cache: Any, logits: torch.Tensor, T: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode loop. Returns tokens (N, M), logprobs (N, M), lengths (N,), stopped (N,)."""
+    N, M = st.uniforms.shape
+    device = st.rows.device
+    out_tok = torch.zeros(N, M, dtype=torch.long, device=device)  # (N, M)
+    out_lp = torch.zeros(N, M, dtype=torch.float32, device=device)  # (N, M)
+    out_len = torch.zeros(N, dtype=torch.long, device=device)  # (N,)
+    out_stop = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
+    any_filter = bool(((st.top_k < logits.shape[-1]) | (st.top_p < 1)).any())
+    all_greedy = bool(st.greedy.all())
+    cache_arg = _cache_arg(type(engine.model))
+
+    with contextlib.ExitStack() as rows_ctx:
+        rows_ctx.enter_context(engine.bank.rows(st.keys))
+        k = 0
+        while True:
+            tok, lp = pick_tokens(
+                logits, st.greedy, st.temperature, st.top_k, st.top_p, st.uniforms[:, k],
+                all_greedy=all_greedy, any_filter=any_filter,
+            )  # fmt: skip
+            out_tok[st.rows, k] = tok
+            out_lp[st.rows, k] = lp
+            hit = (tok[:, None] == st.stop_ids).any(-1)  # (n,)
+            if st.matchers:
+                hit |= _stop_string_hits(st, tok)
+            new = ~st.done & (hit | (st.max_tokens <= k + 1))  # (n,)
+            out_len[st.rows[new]] = k + 1
+            out_stop[st.rows[new]] = hit[new]
+            st.done |= new
+            n, n_done = len(st.keys), int(st.done.sum())
+            if n_done == n:
+                break
+            if n_done >= max(1, int(COMPACT_FRACTION * n)):
+                keep = (~st.done).nonzero().squeeze(1)  # (n',)
+                tok = tok[keep]
+                st.select(keep)
+                cache.batch_select_indices(keep)
+                rows_ctx.close()  # the adapter keys must follow the rows
+                rows_ctx.enter_context(engine.bank.rows(st.keys))
+            out = engine.model(
+                input_ids=tok[:, None],  # (n, 1)
+                attention_mask=st.mask[:, : T + k + 1],  # (n, T + k + 1)
+                position_ids=(st.prompt_len + k)[:, None],  # (n, 1)
+                use_cache=True,
+                **{cache_arg: cache},
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1]  # (n, V)
+            k += 1
+    return out_tok, out_lp, out_len, out_stop
+
+
+def _stop_string_hits(st: _Decode, tok: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: rows whose generated text now contains one of their stop strings.
+
+    Only rows with stop strings are looked at (and moved to the CPU).
+    """
+    hits = torch.zeros(len(st.keys), dtype=torch.bool)
+    pos = st.matcher_pos()
+    for b, r, t in zip(pos, st.rows[pos].tolist(), tok[pos].tolist(), strict=True):
+        if st.matchers[r].push(t):
+            hits[b] = True
+    return hits.to(tok.device)

@@ -1,0 +1,156 @@
+"""Pieces of the sampler that need no KV cache: validation, token choice, stop strings,
+prompt logprobs. `treadle.engine.sample` puts them together.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from treadle.engine.types import SampleRequest
+from treadle.errors import InvalidRequestError
+
+
+def validate_request(engine: Any, req: SampleRequest, i: int) -> None:
+    """Raise InvalidRequestError naming `requests[i].<field>`, the expected and the received."""
+    V = int(engine.vocab_size)
+    sp = req.params
+    where = f"requests[{i}]"
+    if len(req.prompt) == 0:
+        raise InvalidRequestError(f"{where}.prompt must hold at least 1 token, got 0")
+    bad = [t for t in req.prompt if not 0 <= int(t) < V]
+    if bad:
+        raise InvalidRequestError(
+            f"{where}.prompt holds token ids outside the vocabulary [0, {V}): {bad[:5]}"
+        )
+    if req.num_samples < 1:
+        raise InvalidRequestError(f"{where}.num_samples must be >= 1, got {req.num_samples}")
+    if sp.max_tokens < 0:
+        raise InvalidRequestError(f"{where}.params.max_tokens must be >= 0, got {sp.max_tokens}")
+    max_len = int(engine.max_seq_len)
+    if len(req.prompt) + sp.max_tokens > max_len:
+        raise InvalidRequestError(
+            f"{where}: prompt length + params.max_tokens must be <= the model's context "
+            f"{max_len}, got {len(req.prompt)} + {sp.max_tokens}"
+        )
+    if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):
+        raise InvalidRequestError(
+            f"{where}.params.temperature must be a finite number >= 0, got {sp.temperature}"
+        )
+    if not 0 < sp.top_p <= 1:
+        raise InvalidRequestError(f"{where}.params.top_p must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < -1:
+        raise InvalidRequestError(
+            f"{where}.params.top_k must be -1 or 0 (off) or a positive count, got {sp.top_k}"
+        )
+    bad = [t for t in sp.stop_tokens if not 0 <= int(t) < V]
+    if bad:
+        raise InvalidRequestError(
+            f"{where}.params.stop_tokens hold ids outside the vocabulary [0, {V}): {bad[:5]}"
+        )
+    if any(not isinstance(s, str) or s == "" for s in sp.stop_strings):
+        raise InvalidRequestError(
+            f"{where}.params.stop_strings must be non-empty strings, got {sp.stop_strings!r}"
+        )
+    if not 0 <= req.topk_prompt_logprobs <= V:
+        raise InvalidRequestError(
+            f"{where}.topk_prompt_logprobs must be in [0, {V}], got {req.topk_prompt_logprobs}"
+        )
+
+
+def pick_tokens(
+    logits: torch.Tensor,
+    greedy: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    all_greedy: bool = False,
+    any_filter: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row: (tokens (n,), their logprobs (n,)).
+
+    logits (n, V) raw; greedy (n,) bool rows take the argmax; other rows sample from
+    softmax(logits / temperature) cut to the top_k tokens then to the smallest prefix with
+    probability >= top_p (renormalised after top-k, as HF and vLLM do), by inverse CDF with
+    their uniform (n,). The returned logprob is that of the raw distribution, see sample.py.
+    `all_greedy` / `any_filter` let the caller skip work no row needs.
+    """
+    logits = logits.float()  # (n, V)
+    logprobs = logits.log_softmax(-1)  # (n, V)
+    if all_greedy:
+        tok = logits.argmax(-1)  # (n,)
+    else:
+        scaled = logits / temperature[:, None]  # (n, V)
+        if any_filter:
+            V = scaled.shape[-1]
+            vals, order = scaled.sort(-1, descending=True)  # (n, V)
+            ranks = torch.arange(V, device=scaled.device)
+            vals = vals.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+            probs = vals.softmax(-1)  # (n, V)
+            before = probs.cumsum(-1) - probs  # (n, V) mass of the better tokens
+            probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+            tok = order.gather(-1, _inverse_cdf(probs, uniforms)[:, None]).squeeze(1)
+        else:
+            tok = _inverse_cdf(scaled.softmax(-1), uniforms)
+        tok = torch.where(greedy, logits.argmax(-1), tok)
+    lp = logprobs.gather(-1, tok[:, None]).squeeze(1)  # (n,)
+    return tok, lp
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index i with cdf[i-1] <= u * total < cdf[i] for each row of probs (n, V)."""
+    cdf = probs.cumsum(-1)  # (n, V)
+    x = uniforms * cdf[:, -1]  # (n,)
+    idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    # Rounding can land x on the total and pick a zero-probability tail token: take the mode.
+    zero = probs.gather(-1, idx[:, None]).squeeze(1) <= 0
+    return torch.where(zero, probs.argmax(-1), idx)
+
+
+def prompt_logprobs_of_row(
+    logits: torch.Tensor, prompt: tuple[int, ...] | list[int], T: int, k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
+    """Logprob of each prompt token given the ones before it, and the top k at each position.
+
+    logits (T, V) of one left-padded prefill row; the first position gets None (nothing
+    predicts it). Computed in fp32 like the sampled logprobs.
+    """
+    L = len(prompt)
+    lp = logits[T - L : T - 1].float().log_softmax(-1)  # (L-1, V)
+    target = torch.tensor(prompt[1:], dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, target[:, None]).squeeze(1).tolist()  # (L-1,)
+    topk: list[list[tuple[int, float]] | None] | None = None
+    if k > 0:
+        vals, ids = lp.topk(k, dim=-1)  # (L-1, k)
+        topk = [None] + [
+            list(zip(i_row, v_row, strict=True))
+            for i_row, v_row in zip(ids.tolist(), vals.tolist(), strict=True)
+        ]
+    return [None, *chosen], topk
+
+
+class StopStringMatcher:
+    """Follows one row's generated tokens and says when its text contains a stop string.
+
+    Only the tail is decoded each step: the last few tokens span at least as many bytes as
+    the longest stop string, plus slack for a multi-byte character split across tokens. A
+    stop string therefore shows up in the tail on the very step its last token arrives.
+    Special tokens are decoded as their text, so "<|im_end|>" works as a stop string.
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: list[str]):
+        if tokenizer is None:
+            raise InvalidRequestError("params.stop_strings need a tokenizer, the model has none")
+        self.tokenizer = tokenizer
+        self.stops = list(stop_strings)
+        self.window = max(len(s.encode("utf-8")) for s in self.stops) + 4
+        self.tokens: list[int] = []
+
+    def push(self, token: int) -> bool:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens[-self.window :], skip_special_tokens=False)
+        return any(s in text for s in self.stops)

@@ -1,0 +1,77 @@
+"""Checkpoint names, tinker:// paths, and folders written atomically under data_dir/artifacts.
+
+    tinker://<run_id>/weights/<name>          training state (adapter + optimizer): save_state
+    tinker://<run_id>/sampler_weights/<name>  PEFT adapter: save_weights_for_sampler
+    on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights>/<name>/
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from treadle.errors import InvalidRequestError
+
+SEGMENT_OF_TYPE = {"training": "weights", "sampler": "sampler_weights"}
+TYPE_OF_SEGMENT = {v: k for k, v in SEGMENT_OF_TYPE.items()}
+
+
+def check_name(name: str | None, field: str = "path") -> str:
+    """A checkpoint name is one path segment: no '/', no '..', not empty."""
+    if not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
+        raise InvalidRequestError(
+            f"{field}: a checkpoint name must be one non-empty path segment without '/', "
+            f"'..' or a leading '.', got {name!r}"
+        )
+    return name
+
+
+def tinker_path(run_id: str, checkpoint_type: str, name: str) -> str:
+    return f"tinker://{run_id}/{SEGMENT_OF_TYPE[checkpoint_type]}/{name}"
+
+
+def parse_tinker_path(path: str, field: str = "path") -> tuple[str, str, str]:
+    """→ (run_id, checkpoint_type, name); the protocol wants exactly 3 segments."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in TYPE_OF_SEGMENT or not parts[0]:
+        raise InvalidRequestError(
+            f"{field}: expected tinker://<run_id>/weights/<name> or "
+            f"tinker://<run_id>/sampler_weights/<name>, got {path!r}"
+        )
+    check_name(parts[2], field)
+    return parts[0], TYPE_OF_SEGMENT[parts[1]], parts[2]
+
+
+def checkpoint_dir(root: Path, run_id: str, checkpoint_type: str, name: str) -> Path:
+    return root / run_id / SEGMENT_OF_TYPE[checkpoint_type] / name
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp folder beside `final`; on success it replaces `final` by rename.
+
+    An interrupted write leaves only a `.tmp-*` folder, never a half checkpoint under the
+    real name.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

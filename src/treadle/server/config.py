@@ -1,0 +1,67 @@
+"""Settings of `treadle serve`: one pydantic model, a docstring and a default per field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, field_validator
+
+
+def parse_model_arg(arg: str) -> tuple[str, str]:
+    """`NAME=PATH` → (NAME, PATH); a bare `PATH` is named after its folder.
+
+    NAME may contain '/' (HF-style ids such as `treadle/tiny-llama`), so the split is on the
+    first '=' only, and a bare path whose folder name itself holds '=' still works when it
+    exists on disk.
+    """
+    if "=" in arg and not Path(arg).exists():
+        name, path = arg.split("=", 1)
+        if not name or not path:
+            raise ValueError(f"--model: expected NAME=PATH or PATH, got {arg!r}")
+        return name, path
+    return Path(arg).resolve().name, arg
+
+
+class ServerConfig(BaseModel):
+    models: dict[str, str]
+    """Served base models: name (what clients pass as base_model) → local HF model folder."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: str = "./treadle-data"
+    """Holds the SQLite database (unless db_url is given) and artifacts/<run_id>/..."""
+    db_url: str | None = None
+    """SQLAlchemy URL; None → sqlite:///<data_dir>/treadle.db."""
+    dtype: str = "float32"
+    """Base model weights dtype: float32 or bfloat16."""
+    device: str = "cpu"
+    heartbeat_timeout_s: float = 120.0
+    """A session silent this long (the SDK beats every 10 s) is ended and its adapters freed."""
+    long_poll_s: float = 30.0
+    """How long retrieve_future holds a poll before answering try_again (the SDK waits 45 s)."""
+    max_snapshots_per_model: int = 8
+    """In-memory sampler snapshots kept per training model; older ones are freed."""
+    max_sample_batch: int = 64
+    """Sample requests handed to one engine.sample call at most."""
+    log_level: str = "info"
+
+    @field_validator("models")
+    @classmethod
+    def _some_models(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("models: serve at least one model (NAME=PATH)")
+        return v
+
+    @field_validator("heartbeat_timeout_s", "long_poll_s")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @property
+    def resolved_db_url(self) -> str:
+        return self.db_url or f"sqlite:///{Path(self.data_dir).resolve() / 'treadle.db'}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return Path(self.data_dir).resolve() / "artifacts"

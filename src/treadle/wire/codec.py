@@ -1,0 +1,358 @@
+"""Protobuf ⇄ treadle.types for the Tinker wire format (SDK 0.38), in both directions.
+
+The server decodes forward_backward requests and encodes ForwardBackwardOutput and
+SampleResponse results; the treadle SDK does the opposite, with the same functions.
+Byte fields hold little-endian numpy `.tobytes()` data (see tinker.proto).
+
+Anything malformed raises InvalidRequestError with a message naming the field, so that the
+server can answer 400 without touching the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from treadle.errors import InvalidRequestError
+from treadle.types import (
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    ModelInput,
+    SampledSequence,
+    SampleResponse,
+    TensorData,
+)
+from treadle.wire import tinker_pb2 as pb
+
+# An empty cell of a top-k matrix, as the SDK's topk_to_lists reads it.
+TOPK_EMPTY_ID = 0
+TOPK_EMPTY_LOGPROB = -99999.0
+
+_NP_OF_DTYPE: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_BFLOAT16: np.dtype("<u2"),  # widened to float32 after reading
+}
+_WIRE_OF_DTYPE: dict[int, str] = {
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_BFLOAT16: "float32",
+    pb.DTYPE_INT64: "int64",
+    pb.DTYPE_INT32: "int64",
+}
+_PB_OF_WIRE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
+_NP_OF_WIRE = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+
+
+# ---- small helpers ------------------------------------------------------------------------
+
+
+def _parse(message: type, body: bytes, what: str):
+    msg = message()
+    try:
+        msg.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise InvalidRequestError(f"body: not a valid protobuf {what} ({e})") from e
+    return msg
+
+
+def _frombuffer(raw: bytes, dtype: np.dtype, field: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise InvalidRequestError(
+            f"{field}: {len(raw)} bytes is not a multiple of the {dtype.itemsize}-byte item size"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _widen(array: np.ndarray, dtype: int) -> np.ndarray:
+    """bf16 → float32 (bit-exact), int32 → int64; the public wire has only those two."""
+    if dtype == pb.DTYPE_BFLOAT16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if dtype == pb.DTYPE_INT32:
+        return array.astype(np.int64)
+    return array
+
+
+def _tensor_data(array: np.ndarray, wire_dtype: str) -> TensorData:
+    return TensorData(data=array.reshape(-1).tolist(), dtype=wire_dtype, shape=list(array.shape))
+
+
+# ---- Tensor ---------------------------------------------------------------------------------
+
+
+def tensor_to_proto(td: TensorData) -> pb.Tensor:
+    """Dense only: our TensorData carries no CSR form."""
+    array = td.to_numpy().astype(_NP_OF_WIRE[td.dtype], copy=False)
+    msg = pb.Tensor(dtype=_PB_OF_WIRE[td.dtype], shape=list(array.shape))
+    msg.dense = array.tobytes()
+    return msg
+
+
+def tensor_from_proto(msg: pb.Tensor, field: str) -> TensorData:
+    """Decode a dense or sparse-CSR Tensor; CSR is densified with 0 in unlisted cells."""
+    if msg.dtype not in _NP_OF_DTYPE:
+        raise InvalidRequestError(
+            f"{field}.dtype: expected FLOAT32, INT64, INT32 or BFLOAT16, got {msg.dtype}"
+        )
+    np_dtype, wire_dtype = _NP_OF_DTYPE[msg.dtype], _WIRE_OF_DTYPE[msg.dtype]
+    shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise InvalidRequestError(f"{field}.shape: negative size in {shape}")
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        return _tensor_data(_csr_to_dense(msg, np_dtype, shape, field), wire_dtype)
+    values = _widen(_frombuffer(msg.dense, np_dtype, f"{field}.dense"), msg.dtype)
+    if shape:
+        if math.prod(shape) != values.size:
+            raise InvalidRequestError(
+                f"{field}: shape {shape} needs {math.prod(shape)} values, got {values.size}"
+            )
+        values = values.reshape(shape)
+    return _tensor_data(values, wire_dtype)
+
+
+def _csr_to_dense(msg: pb.Tensor, np_dtype: np.dtype, shape: list[int], field: str) -> np.ndarray:
+    if len(shape) != 2:
+        raise InvalidRequestError(f"{field}.shape: a sparse CSR tensor needs 2 dims, got {shape}")
+    rows, cols = shape
+    csr = msg.sparse_csr
+    values = _widen(_frombuffer(csr.values, np_dtype, f"{field}.sparse_csr.values"), msg.dtype)
+    crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), f"{field}.sparse_csr.crow_indices")
+    col = _frombuffer(csr.col_indices, np.dtype("<i8"), f"{field}.sparse_csr.col_indices")
+    if crow.size != rows + 1:
+        raise InvalidRequestError(
+            f"{field}.sparse_csr.crow_indices: expected {rows + 1} entries, got {crow.size}"
+        )
+    if col.size != values.size:
+        raise InvalidRequestError(
+            f"{field}.sparse_csr: {col.size} col_indices for {values.size} values"
+        )
+    if crow[0] != 0 or crow[-1] != values.size or np.any(np.diff(crow) < 0):
+        raise InvalidRequestError(
+            f"{field}.sparse_csr.crow_indices: must rise from 0 to {values.size}"
+        )
+    if col.size and (col.min() < 0 or col.max() >= cols):
+        raise InvalidRequestError(f"{field}.sparse_csr.col_indices: must lie in [0, {cols})")
+    dense = np.zeros((rows, cols), dtype=values.dtype)  # (N, K)
+    row_of = np.repeat(np.arange(rows), np.diff(crow))
+    dense[row_of, col] = values
+    return dense
+
+
+# ---- forward_backward request ---------------------------------------------------------------
+
+
+def encode_forward_backward_request(
+    model_id: str,
+    seq_id: int,
+    data: list[Datum],
+    loss_fn: str,
+    loss_fn_config: dict[str, float | str] | None,
+    forward_only: bool,
+) -> bytes:
+    """As the tinker SDK writes it: numbers go to both config maps, strings to v2 only."""
+    msg = pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, forward_only=forward_only
+    )
+    for key, value in (loss_fn_config or {}).items():
+        if isinstance(value, str):
+            msg.loss_fn_config_v2[key].text = value
+        else:
+            msg.loss_fn_config[key] = float(value)
+            msg.loss_fn_config_v2[key].number = float(value)
+    for datum in data:
+        datum_msg = msg.data.add()
+        for chunk in datum.model_input.chunks:
+            datum_msg.model_input.add().encoded_text.tokens = np.asarray(
+                chunk.tokens, dtype="<i4"
+            ).tobytes()
+        for key, td in datum.loss_fn_inputs.items():
+            datum_msg.loss_fn_inputs[key].CopyFrom(tensor_to_proto(td))
+    return msg.SerializeToString()
+
+
+def decode_forward_backward_request(
+    body: bytes,
+) -> tuple[str, int, list[Datum], str, dict[str, float | str], bool]:
+    """→ (model_id, seq_id, data, loss_fn, loss_fn_config, forward_only).
+
+    loss_fn_config_v2 wins over the legacy map for keys present in both.
+    """
+    msg = _parse(pb.ForwardBackwardRequest, body, "ForwardBackwardRequest")
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        if kind is not None:
+            config[key] = value.number if kind == "number" else value.text
+    data = [_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)]
+    return msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only)
+
+
+def _datum_from_proto(msg: pb.Datum, field: str) -> Datum:
+    chunks = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidRequestError(
+                f"{field}.model_input[{j}]: only encoded_text chunks are supported, got {kind}"
+            )
+        tokens = _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{field}.model_input")
+        chunks.append(EncodedTextChunk(tokens=tokens.tolist()))
+    inputs = {
+        key: tensor_from_proto(t, f"{field}.loss_fn_inputs[{key!r}]")
+        for key, t in msg.loss_fn_inputs.items()
+    }
+    return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+
+
+# ---- ForwardBackwardOutput ------------------------------------------------------------------
+
+
+def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
+    """One ArrayRecord per run of datums that share every field's dtype and trailing shape.
+
+    Field names must be the same for all datums: the SDK concatenates records by field name.
+    """
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type)
+    for key, value in out.metrics.items():
+        msg.metrics[key] = float(value)
+    outputs = out.loss_fn_outputs
+    if outputs:
+        names = sorted(outputs[0])
+        for i, o in enumerate(outputs):
+            if sorted(o) != names:
+                raise ValueError(f"loss_fn_outputs[{i}] has fields {sorted(o)}, expected {names}")
+    arrays = [
+        {k: td.to_numpy().astype(_NP_OF_WIRE[td.dtype]) for k, td in o.items()} for o in outputs
+    ]
+
+    def signature(i: int) -> tuple:
+        return tuple((k, arrays[i][k].dtype.str, arrays[i][k].shape[1:]) for k in sorted(arrays[i]))
+
+    start = 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and signature(end) == signature(start):
+            end += 1
+        _add_record(msg, arrays[start:end])
+        start = end
+    return msg.SerializeToString()
+
+
+def _add_record(msg: pb.ForwardBackwardOutput, run: list[dict[str, np.ndarray]]) -> None:
+    record = msg.loss_fn_outputs.add(type_tag="TensorData", num_datums=len(run))
+    for name in run[0]:
+        parts = [datum[name] for datum in run]
+        offsets = np.zeros(len(parts) + 1, dtype="<i8")
+        offsets[1:] = np.cumsum([p.nbytes for p in parts])
+        bt = record.fields[name]
+        bt.data = b"".join(p.tobytes() for p in parts)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = pb.DTYPE_INT64 if parts[0].dtype.kind == "i" else pb.DTYPE_FLOAT32
+        bt.trailing_shape.extend(parts[0].shape[1:])
+
+
+def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
+    """The inverse, read the way the tinker SDK reads it (records concatenated in order)."""
+    msg = _parse(pb.ForwardBackwardOutput, body, "ForwardBackwardOutput")
+    metrics = {k: float(v) for k, v in msg.metrics.items()}
+    outputs: list[dict[str, TensorData]] = []
+    for r, record in enumerate(msg.loss_fn_outputs):
+        per_datum: list[dict[str, TensorData]] = [{} for _ in range(record.num_datums)]
+        for name, bt in record.fields.items():
+            field = f"loss_fn_outputs[{r}].fields[{name!r}]"
+            if bt.dtype not in _NP_OF_DTYPE:
+                raise InvalidRequestError(f"{field}.dtype: unsupported value {bt.dtype}")
+            np_dtype = _NP_OF_DTYPE[bt.dtype]
+            values = _widen(_frombuffer(bt.data, np_dtype, field), bt.dtype)
+            offsets = _frombuffer(bt.offsets, np.dtype("<i8"), f"{field}.offsets")
+            if offsets.size != record.num_datums + 1:
+                raise InvalidRequestError(
+                    f"{field}.offsets: expected {record.num_datums + 1}, got {offsets.size}"
+                )
+            trailing = list(bt.trailing_shape)
+            for i in range(record.num_datums):
+                part = values[offsets[i] // np_dtype.itemsize : offsets[i + 1] // np_dtype.itemsize]
+                lead = part.size // math.prod(trailing) if math.prod(trailing) else 0
+                per_datum[i][name] = _tensor_data(
+                    part.reshape([lead, *trailing]), _WIRE_OF_DTYPE[bt.dtype]
+                )
+        outputs.extend(per_datum)
+    output_type = msg.loss_fn_output_type.rsplit(":", 1)[-1] or "TensorData"
+    return ForwardBackwardOutput(
+        loss_fn_output_type=output_type, loss_fn_outputs=outputs, metrics=metrics
+    )
+
+
+# ---- SampleResponse -------------------------------------------------------------------------
+
+
+def _topk_to_proto(rows: list[list[tuple[int, float]] | None]) -> pb.TopkLogprobs:
+    """N*K row-major matrices; None rows and short rows are padded with the empty cell."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.full((len(rows), k), TOPK_EMPTY_ID, dtype="<i4")  # (N, K)
+    lps = np.full((len(rows), k), TOPK_EMPTY_LOGPROB, dtype="<f4")  # (N, K)
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate(row or []):
+            ids[i, j], lps[i, j] = tok, lp
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
+
+
+def _topk_from_proto(msg: pb.TopkLogprobs) -> list[list[tuple[int, float]] | None]:
+    n, k = msg.length, msg.k
+    if n == 0 or k == 0:
+        return [None] * n
+    ids = np.frombuffer(msg.token_ids, dtype="<i4").reshape(n, k).tolist()
+    lps = np.frombuffer(msg.logprobs, dtype="<f4").reshape(n, k).tolist()
+    rows: list[list[tuple[int, float]] | None] = []
+    for id_row, lp_row in zip(ids, lps, strict=True):
+        cells = [(t, lp) for t, lp in zip(id_row, lp_row, strict=True)]
+        while cells and cells[-1] == (TOPK_EMPTY_ID, TOPK_EMPTY_LOGPROB):
+            cells.pop()
+        rows.append(cells or None)
+    return rows
+
+
+def encode_sample_response(resp: SampleResponse) -> bytes:
+    msg = pb.SampleResponse()
+    for seq in resp.sequences:
+        s = msg.sequences.add(
+            stop_reason=pb.STOP_REASON_LENGTH
+            if seq.stop_reason == "length"
+            else pb.STOP_REASON_STOP,
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+        )
+        if seq.logprobs is not None:
+            s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    if resp.prompt_logprobs is not None:
+        lps = [math.nan if lp is None else lp for lp in resp.prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(lps, dtype="<f4").tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk_to_proto(resp.topk_prompt_logprobs))
+    return msg.SerializeToString()
+
+
+def decode_sample_response(body: bytes) -> SampleResponse:
+    msg = _parse(pb.SampleResponse, body, "SampleResponse")
+    sequences = [
+        SampledSequence(
+            stop_reason="length" if s.stop_reason == pb.STOP_REASON_LENGTH else "stop",
+            tokens=np.frombuffer(s.tokens, dtype="<i4").tolist(),
+            logprobs=np.frombuffer(s.logprobs, dtype="<f4").tolist()
+            if s.HasField("logprobs")
+            else None,
+        )
+        for s in msg.sequences
+    ]
+    prompt_logprobs = None
+    if msg.HasField("prompt_logprobs"):
+        raw = np.frombuffer(msg.prompt_logprobs, dtype="<f4").tolist()
+        prompt_logprobs = [None if math.isnan(x) else x for x in raw]
+    topk = (
+        _topk_from_proto(msg.topk_prompt_logprobs) if msg.HasField("topk_prompt_logprobs") else None
+    )
+    return SampleResponse(
+        sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk
+    )

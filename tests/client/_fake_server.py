@@ -75,7 +75,7 @@ def make_app(state: FakeState) -> FastAPI:
         progressed = True
         while progressed:
             progressed = False
-            for rid, entry in state.requests.items():
+            for entry in list(state.requests.values()):
                 model_id, seq = entry["key"]
                 if entry["done"] is not None or entry.get("running"):
                     continue
@@ -155,11 +155,18 @@ def make_app(state: FakeState) -> FastAPI:
     @app.post("/api/v1/save_weights")
     async def save_weights(req: Request) -> Any:
         body = await req.json()
-        if body["path"] == "bad":
-            return JSONResponse({"detail": "path: 'bad' is not allowed"}, status_code=400)
         arrive("save_weights", body["seq_id"])
         entry = {"kind": "train", "run": lambda: {"error": "disk full", "category": "server"}}
-        return submit((body["model_id"], body["seq_id"]), entry)
+        reply = submit((body["model_id"], body["seq_id"]), entry)
+        if body["path"] == "bad":
+            # Rejected, but its seq_id is spent: later ops must not wait for it.
+            return JSONResponse({"detail": "path: 'bad' is not allowed"}, status_code=400)
+        return reply
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(req: Request) -> dict:
+        body = await req.json()
+        return {"sampling_session_id": f"samp-{body['sampling_session_seq_id']}"}
 
     @app.post("/api/v1/asample")
     async def asample(req: Request) -> Any:

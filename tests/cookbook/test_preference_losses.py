@@ -38,8 +38,11 @@ def test_kto_matches_formula():
     def sig(x):
         return 1 / (1 + math.exp(-x))
 
-    terms = [wd * (1 - sig(beta * (ratios[0] - z0))), wu * (1 - sig(beta * (z0 - ratios[1]))),
-             wd * (1 - sig(beta * (ratios[2] - z0)))]
+    terms = [
+        wd * (1 - sig(beta * (ratios[0] - z0))),
+        wu * (1 - sig(beta * (z0 - ratios[1]))),
+        wd * (1 - sig(beta * (ratios[2] - z0))),
+    ]
     assert math.isclose(loss.item(), sum(terms) / 3, rel_tol=1e-6)
 
 

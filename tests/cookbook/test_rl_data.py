@@ -14,8 +14,9 @@ def test_group_advantages_mean_only():
 def test_group_advantages_std_normalised():
     # mean 0.25, population std sqrt(0.1875) = 0.4330127
     adv = group_advantages([1, 0, 0, 0], True)
-    np.testing.assert_allclose(adv, [0.75 / 0.4330127, -0.25 / 0.4330127, *[-0.25 / 0.4330127] * 2],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        adv, [0.75 / 0.4330127, -0.25 / 0.4330127, *[-0.25 / 0.4330127] * 2], rtol=1e-6
+    )
 
 
 def test_group_advantages_constant_group_is_zero():

@@ -160,8 +160,13 @@ def test_prompt_logprobs_and_topk_equal_plain_forward(engine, ref_models, prompt
                 p, params=SampleSpec(max_tokens=3), prompt_logprobs=True, topk_prompt_logprobs=5
             ),
             SampleRequest(prompts[1], params=SampleSpec(max_tokens=4), adapter="ad-2"),
-            SampleRequest(prompts[3], adapter="ad-2", params=SampleSpec(max_tokens=0),
-                          prompt_logprobs=True, topk_prompt_logprobs=3),
+            SampleRequest(
+                prompts[3],
+                adapter="ad-2",
+                params=SampleSpec(max_tokens=0),
+                prompt_logprobs=True,
+                topk_prompt_logprobs=3,
+            ),
         ],  # fmt: skip
     )
     # compute_logprobs: no new tokens, num_samples empty sequences

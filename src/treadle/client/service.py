@@ -11,6 +11,7 @@ training client of this ServiceClient is stopped.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -104,8 +105,6 @@ class ServiceClient:
             return self._session_id
 
     async def _beat(self, session_id: str) -> None:
-        import asyncio
-
         body = rq.SessionHeartbeatRequest(session_id=session_id)
         while True:
             await asyncio.sleep(HEARTBEAT_S)
@@ -141,12 +140,13 @@ class ServiceClient:
         if session_id is None:
             return
         body = rq.SessionFinishRequest(reason=rq.FinishReason(type=reason))
+        path = f"/api/v1/sessions/{session_id}/finish"
         try:
-            self.transport.call(
-                self.transport.post(f"/api/v1/sessions/{session_id}/finish", body), timeout=30
-            )
-        except (APIError, TimeoutError) as exc:
-            log.warning("finishing session %s failed: %s", session_id, exc)
+            # No retries: a server that is gone must not hold up close() or interpreter exit;
+            # it ends the session itself once heartbeats stop.
+            self.transport.call(self.transport.post(path, body, retry=False, timeout=10))
+        except APIError as exc:
+            log.warning("finishing session %s failed: %r", session_id, exc)
 
     def _release(self, client: TrainingClient) -> None:
         """Called by TrainingClient.stop(): the last one out finishes the session."""

@@ -78,6 +78,16 @@ class OrderedSubmitter:
     # ---- on the loop ---------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            # closed or cancelled: jobs still queued will never be sent
+            while not self._queue.empty():
+                job = self._queue.get_nowait()
+                if job is not None:
+                    job.future.cancel()
+
+    async def _serve(self) -> None:
         while True:
             job = await self._queue.get()
             if job is None:

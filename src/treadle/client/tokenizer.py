@@ -1,7 +1,7 @@
 """Tokenizers come from the server that serves the model, never from a model hub.
 
-`GET /api/v1/treadle/models/{name}/tokenizer` returns the model folder's tokenizer files;
-they are written under `~/.cache/treadle/tokenizers/<name>/<digest>/` (TREADLE_CACHE_DIR
+`GET /api/v1/treadle/models/{name}/tokenizer` returns a flat zip of the model folder's
+tokenizer files; they are written under `~/.cache/treadle/tokenizers/<name>/<digest>/` (TREADLE_CACHE_DIR
 moves the root) and loaded with `transformers.AutoTokenizer` when it is installed, else with
 the `tokenizers` library. The digest of the files names the folder, so a server that swaps a
 model under the same name never meets a stale cache.
@@ -9,11 +9,12 @@ model under the same name never meets a stale cache.
 
 from __future__ import annotations
 
-import base64
 import hashlib
+import io
 import os
 import re
 import threading
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +39,20 @@ def _safe_name(name: str) -> str:
     return "/".join(parts) or "_"
 
 
-def _files_of(reply: Any) -> dict[str, bytes]:
-    """{filename: bytes} from the route's JSON: {"files": {name: base64}}."""
-    files = reply.get("files") if isinstance(reply, dict) else None
-    if not isinstance(files, dict) or not files:
-        raise ValueError(
-            f"tokenizer route: expected {{'files': {{name: base64}}}}, got {reply!r:.200}"
-        )
+def _files_of(zip_bytes: bytes) -> dict[str, bytes]:
+    """{filename: bytes} from the route's flat zip."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(zip_bytes))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"tokenizer route: expected a zip, got {zip_bytes[:80]!r}") from exc
     out = {}
-    for fname, data in files.items():
-        if "/" in fname or fname in ("", ".", ".."):
-            raise ValueError(f"tokenizer route: unsafe file name {fname!r}")
-        out[fname] = base64.b64decode(data)
+    with zf:
+        for fname in zf.namelist():
+            if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+                raise ValueError(f"tokenizer route: unsafe file name {fname!r} in the zip")
+            out[fname] = zf.read(fname)
+    if not out:
+        raise ValueError("tokenizer route: the zip holds no files")
     return out
 
 
@@ -89,8 +92,8 @@ def load_tokenizer(transport: Transport, name: str) -> Any:
     with _memo_lock:
         if key in _memo:
             return _memo[key]
-    reply = transport.call(transport.get(f"/api/v1/treadle/models/{name}/tokenizer"))
-    tokenizer = load_from_dir(write_files(name, _files_of(reply)))
+    resp = transport.call(transport.request("GET", f"/api/v1/treadle/models/{name}/tokenizer"))
+    tokenizer = load_from_dir(write_files(name, _files_of(resp.content)))
     with _memo_lock:
         _memo.setdefault(key, tokenizer)
         return _memo[key]

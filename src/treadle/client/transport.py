@@ -88,7 +88,7 @@ class Transport:
             target=self._loop.run_forever, name="treadle-io", daemon=True
         )
         self._thread.start()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         self._closed = False
         headers = {"User-Agent": f"treadle/{SDK_VERSION}", "x-sdk-version": SDK_VERSION}
         if api_key:
@@ -241,8 +241,13 @@ class Transport:
             return
 
         async def _shutdown() -> None:
-            for task in list(self._tasks):
+            # Every other task on the loop is a request of ours: cancel them so that their
+            # futures end (cancelled) instead of hanging, then close the pool.
+            me = asyncio.current_task()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for task in others:
                 task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
             await self._client.aclose()
 
         if threading.current_thread() is not self._thread:

@@ -31,6 +31,7 @@ import torch
 from treadle.engine.sample_utils import (
     StopStringMatcher,
     pick_tokens,
+    preallocate,
     prompt_logprobs_of_row,
     validate_request,
 )
@@ -148,8 +149,8 @@ def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
     last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
     del logits
     state, src = _expand(engine, requests, generating, row_of_req, prefill_keys, T, device)
+    preallocate(cache, src, T + state.uniforms.shape[1])
     if src is not None:
-        cache.batch_select_indices(src)
         last = last[src]  # (N, V)
     tokens, logprobs, length, stopped = _decode(engine, state, cache, last, T)
 

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from treadle.engine.types import SampleRequest
 from treadle.errors import InvalidRequestError
@@ -85,19 +86,25 @@ def pick_tokens(
     else:
         scaled = logits / temperature[:, None]  # (n, V)
         if any_filter:
-            V = scaled.shape[-1]
-            vals, order = scaled.sort(-1, descending=True)  # (n, V)
-            ranks = torch.arange(V, device=scaled.device)
-            vals = vals.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-            probs = vals.softmax(-1)  # (n, V)
-            before = probs.cumsum(-1) - probs  # (n, V) mass of the better tokens
-            probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-            tok = order.gather(-1, _inverse_cdf(probs, uniforms)[:, None]).squeeze(1)
-        else:
-            tok = _inverse_cdf(scaled.softmax(-1), uniforms)
+            scaled = scaled.masked_fill(~_filter_mask(scaled, top_k, top_p), float("-inf"))
+        # Inverse CDF in vocabulary order for every row, filtered or not, so that a row's
+        # token never depends on which settings its batch companions use.
+        tok = _inverse_cdf(scaled.softmax(-1), uniforms)  # (n,)
         tok = torch.where(greedy, logits.argmax(-1), tok)
     lp = logprobs.gather(-1, tok[:, None]).squeeze(1)  # (n,)
     return tok, lp
+
+
+def _filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(n, V) bool: the tokens each row keeps after top-k then top-p; top_k = V is off."""
+    V = scaled.shape[-1]
+    vals, order = scaled.sort(-1, descending=True)  # (n, V)
+    ranks = torch.arange(V, device=scaled.device)
+    in_k = ranks[None, :] < top_k[:, None]  # (n, V)
+    probs = vals.masked_fill(~in_k, float("-inf")).softmax(-1)  # (n, V) renormalised to top-k
+    before = probs.cumsum(-1) - probs  # (n, V) mass of the better tokens
+    keep_sorted = in_k & (before < top_p[:, None])  # the first token always stays
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -154,3 +161,70 @@ class StopStringMatcher:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens[-self.window :], skip_special_tokens=False)
         return any(s in text for s in self.stops)
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose keys / values live in one buffer sized for the decode.
+
+    DynamicLayer concatenates on every step, copying the whole cache each time (quadratic in
+    the sequence length); here a step writes one slot, and keys / values are views of the
+    filled part.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        B, H, L, _ = keys.shape  # (B, H, L, D)
+        self._k = keys.new_empty(B, H, capacity, keys.shape[-1])  # (B, H, C, D)
+        self._v = values.new_empty(B, H, capacity, values.shape[-1])  # (B, H, C, Dv)
+        self._k[:, :, :L] = keys
+        self._v[:, :, :L] = values
+        self._len = L
+        self.device, self.is_initialized = keys.device, True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[:, :, : self._len]  # (B, H, L, D)
+        self.values = self._v[:, :, : self._len]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self._len + n > self._k.shape[2]:
+            raise RuntimeError(f"cache capacity {self._k.shape[2]} exceeded")  # a sampler bug
+        self._k[:, :, self._len : self._len + n] = key_states
+        self._v[:, :, self._len : self._len + n] = value_states
+        self._len += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k = self._k.repeat_interleave(repeats, dim=0)
+        self._v = self._v.repeat_interleave(repeats, dim=0)
+        self._views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the sampler never crops its cache")
+
+
+def preallocate(cache: Any, rows: torch.Tensor | None, capacity: int) -> None:
+    """Swap each plain DynamicLayer of an HF cache for a GrowingLayer holding `rows` of it.
+
+    Other layer kinds (sliding windows, linear attention) keep their own update and are
+    only row-selected. `rows` None keeps every row.
+    """
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            k, v = layer.keys, layer.values
+            if rows is not None:
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
+            cache.layers[i] = GrowingLayer(k, v, capacity)
+        elif rows is not None:
+            layer.batch_select_indices(rows)

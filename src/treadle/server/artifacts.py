@@ -1,8 +1,8 @@
 """Checkpoint names, tinker:// paths, and folders written atomically under data_dir/artifacts.
 
-    tinker://<run_id>/weights/<name>          training state (adapter + optimizer): save_state
-    tinker://<run_id>/sampler_weights/<name>  PEFT adapter: save_weights_for_sampler
-    on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights>/<name>/
+tinker://<run_id>/weights/<name>          training state (adapter + optimizer): save_state
+tinker://<run_id>/sampler_weights/<name>  PEFT adapter: save_weights_for_sampler
+on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights>/<name>/
 """
 
 from __future__ import annotations

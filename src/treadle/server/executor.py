@@ -171,6 +171,10 @@ class OpExecutor:
         except Exception as e:
             return self.failure(op, e)
 
+    def _do_skip(self, op: Op) -> dict[str, Any]:
+        """A request refused at the API edge, holding its seq_id's place in the order."""
+        return self.failure(op, InvalidRequestError(op.payload))
+
     def _do_create(self, op: Op) -> dict[str, Any]:
         self.engine.create_adapter(op.model_id, lora_spec(op.payload["lora"]))
         return self.ok(op, {"model_id": op.model_id, "type": "create_model"})

@@ -86,7 +86,9 @@ def check_train_request(
                     raise InvalidRequestError(
                         f"data[{i}].loss_fn_inputs['target_tokens']: expected int64, got {td.dtype}"
                     )
-                check_tokens(list(td.data), vocab_size, f"data[{i}].loss_fn_inputs['target_tokens']")
+                check_tokens(
+                    list(td.data), vocab_size, f"data[{i}].loss_fn_inputs['target_tokens']"
+                )
     return config
 
 
@@ -132,7 +134,9 @@ def to_engine_sample_request(
             f"the {P} prompt tokens), got {max_tokens}"
         )
     if sp.temperature < 0 or not math.isfinite(sp.temperature):
-        raise InvalidRequestError(f"sampling_params.temperature: expected >= 0, got {sp.temperature}")
+        raise InvalidRequestError(
+            f"sampling_params.temperature: expected >= 0, got {sp.temperature}"
+        )
     if not 0 < sp.top_p <= 1:
         raise InvalidRequestError(f"sampling_params.top_p: expected in (0, 1], got {sp.top_p}")
     if sp.top_k == 0 or sp.top_k < -1:

@@ -1,0 +1,223 @@
+"""Engine benchmark, training half: is our LoRA training as fast as plain torch + peft, does
+one mixed-adapter pass beat one pass per adapter, and what does a snapshot cost?
+
+    python bench/engine.py            # the "small" tiny model, batch 8 x 256
+    python bench/engine.py --quick    # a short run (batch 4 x 64, fewer repeats)
+
+Every figure is a ratio measured in this run (the machine is noisy): runs alternate between
+the engine and its baseline and the medians are compared. Stdout ends with one JSON line.
+Sampling figures come from bench/engine_sampling.py's run() when that file exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treadle.engine import Engine
+from treadle.engine.tiny import make_tiny_model
+from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def sft_data(vocab: int, n: int, T: int, seed: int) -> list[TrainDatum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(n):
+        seq = rng.integers(0, vocab, T + 1)
+        w = np.ones(T, np.float32)
+        data.append(TrainDatum(seq[:-1], {"target_tokens": seq[1:], "weights": w}))
+    return data
+
+
+def peft_baseline(model_dir: Path, rank: int, alpha: float):
+    """The yardstick: plain transformers + peft, the loop a user would write by hand."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    base.eval()
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
+    return get_peft_model(base, config)
+
+
+def peft_forward_backward(model, ids: torch.Tensor, targets: torch.Tensor, w: torch.Tensor):
+    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+    B, T, V = logits.shape
+    lp = -F.cross_entropy(logits.float().view(B * T, V), targets.view(B * T), reduction="none")
+    loss = -(lp.view(B, T) * w).sum()
+    loss.backward()
+    return float(loss)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(a, b, repeats: int) -> tuple[float, float]:
+    """Median seconds of a and of b, run ABAB... after one warm-up each."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(timed(a))
+        tb.append(timed(b))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def bench_vs_peft(engine: Engine, model_dir: Path, B: int, T: int, rank: int, repeats: int):
+    alpha = 2.0 * rank
+    engine.create_adapter("speed", LoraSpec(rank=rank, alpha=alpha, seed=0))
+    data = sft_data(engine.vocab_size, B, T, seed=0)
+    batch = [TrainBatch("speed", data)]
+    peft_model = peft_baseline(model_dir, rank, alpha)
+    ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
+    targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))  # (B, T)
+    w = torch.as_tensor(np.stack([d.loss_inputs["weights"] for d in data]))  # (B, T)
+
+    def ours():
+        engine.forward_backward(batch)
+
+    def theirs():
+        peft_forward_backward(peft_model, ids, targets, w)
+
+    t_ours, t_peft = alternate(ours, theirs, repeats)
+    engine.drop_adapter("speed")
+    return {
+        "fb_tokens_per_s": B * T / t_ours,
+        "peft_fb_tokens_per_s": B * T / t_peft,
+        "fb_vs_peft": t_peft / t_ours,
+    }
+
+
+def bench_mixed(engine: Engine, n_adapters: int, T: int, rank: int, repeats: int):
+    ids = [f"mix-{i}" for i in range(n_adapters)]
+    for i, aid in enumerate(ids):
+        engine.create_adapter(aid, LoraSpec(rank=rank, seed=i))
+    data = sft_data(engine.vocab_size, n_adapters, T, seed=1)
+    mixed = [TrainBatch(aid, [d]) for aid, d in zip(ids, data, strict=True)]
+
+    def one_pass():
+        engine.forward_backward(mixed)
+
+    def per_adapter():
+        for b in mixed:
+            engine.forward_backward([b])
+
+    t_mixed, t_separate = alternate(one_pass, per_adapter, repeats)
+    for aid in ids:
+        engine.drop_adapter(aid)
+    return {
+        "mixed_tokens_per_s": n_adapters * T / t_mixed,
+        "separate_tokens_per_s": n_adapters * T / t_separate,
+        "mixed_vs_separate": t_separate / t_mixed,
+    }
+
+
+def bench_snapshot(engine: Engine, rank: int, repeats: int, step_s: float) -> dict:
+    aid = f"snap-src-{rank}"
+    engine.create_adapter(aid, LoraSpec(rank=rank))
+    times = []
+    for i in range(repeats):
+        times.append(timed(lambda i=i: engine.snapshot(aid, f"snap-{rank}-{i}")))
+        engine.drop_snapshot(f"snap-{rank}-{i}")
+    n_params = engine.bank.live(aid).num_params()
+    engine.drop_adapter(aid)
+    t = statistics.median(times)
+    return {
+        f"snapshot_r{rank}_ms": 1e3 * t,
+        f"snapshot_r{rank}_params": n_params,
+        f"snapshot_r{rank}_vs_optim_step": t / step_s,
+    }
+
+
+def optim_step_seconds(engine: Engine, rank: int, repeats: int) -> float:
+    engine.create_adapter("opt", LoraSpec(rank=rank))
+    engine.forward_backward([TrainBatch("opt", sft_data(engine.vocab_size, 1, 16, seed=2))])
+    times = []
+    for _ in range(repeats):
+        grads = [p.grad.clone() for p in engine.bank.live("opt").parameters()]
+        for p, g in zip(engine.bank.live("opt").parameters(), grads, strict=True):
+            p.grad = g
+        times.append(timed(lambda: engine.optim_step("opt", AdamSpec(learning_rate=1e-4))))
+        for p, g in zip(engine.bank.live("opt").parameters(), grads, strict=True):
+            p.grad = g
+    engine.drop_adapter("opt")
+    return statistics.median(times)
+
+
+def sampling_figures(quick: bool) -> dict | None:
+    """----- SAMPLING: figures from bench/engine_sampling.py's run() -> dict, if present -----"""
+    path = Path(__file__).with_name("engine_sampling.py")
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("engine_sampling", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["engine_sampling"] = module
+    spec.loader.exec_module(module)
+    try:
+        return module.run(quick=quick)
+    except TypeError:
+        return module.run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for smoke checks")
+    parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--no-sampling", action="store_true", help="skip engine_sampling.py")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    B, T, repeats = (4, 64, 3) if args.quick else (8, 256, 7)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", arch="llama", size=args.size)
+        engine = Engine(model_dir)
+        n_params = sum(p.numel() for p in engine.model.parameters())
+        print(f"model {args.size}: {n_params / 1e6:.1f}M params, batch {B} x {T}, rank {args.rank}")
+        result: dict = {"model_params": n_params, "batch": B, "seq_len": T, "rank": args.rank}
+        result |= bench_vs_peft(engine, model_dir, B, T, args.rank, repeats)
+        print(
+            f"forward_backward: engine {result['fb_tokens_per_s']:.0f} tok/s, plain peft "
+            f"{result['peft_fb_tokens_per_s']:.0f} tok/s, ratio {result['fb_vs_peft']:.3f} "
+            "(goal >= 0.95)"
+        )
+        result |= bench_mixed(engine, 8, T, args.rank, repeats)
+        print(
+            f"8 adapters: one mixed pass {result['mixed_tokens_per_s']:.0f} tok/s, 8 single "
+            f"passes {result['separate_tokens_per_s']:.0f} tok/s, speed-up "
+            f"{result['mixed_vs_separate']:.2f}x"
+        )
+        step_s = optim_step_seconds(engine, 8, repeats)
+        for rank in (8, 64):
+            result |= bench_snapshot(engine, rank, 5 if args.quick else 20, step_s)
+            print(
+                f"snapshot rank {rank}: {result[f'snapshot_r{rank}_ms']:.2f} ms for "
+                f"{result[f'snapshot_r{rank}_params'] / 1e6:.2f}M params "
+                f"({result[f'snapshot_r{rank}_vs_optim_step']:.2f}x one rank-8 optim_step)"
+            )
+        del engine
+    if not args.no_sampling:
+        sampling = sampling_figures(args.quick)
+        if sampling is not None:
+            result["sampling"] = sampling
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

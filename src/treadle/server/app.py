@@ -1,0 +1,136 @@
+"""The FastAPI app factory: settings, database, engines and the engine loops are built in
+the lifespan, never at import.
+
+    uvicorn --factory treadle.server.app:app_from_env   (reads TREADLE_CONFIG, a JSON file)
+    treadle serve --model treadle/tiny-llama=.models/tiny-llama
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from treadle.errors import (
+    ConflictError,
+    EngineDeadError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaExceededError,
+    TreadleError,
+)
+from treadle.server.config import ServerConfig
+from treadle.server.db import SessionRow, Store
+from treadle.server.notifier import FutureNotifier
+from treadle.server.routes import futures, sampling, session, training, treadle, weights
+from treadle.server.service import Service, SessionGoneError
+
+log = logging.getLogger("treadle.server")
+
+EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
+
+# Most specific first: SessionGoneError is a NotFoundError answered with 410.
+STATUS_OF_ERROR: list[tuple[type[Exception], int, str]] = [
+    (SessionGoneError, 410, "user"),
+    (InvalidRequestError, 400, "user"),
+    (NotFoundError, 404, "user"),
+    (ConflictError, 409, "user"),
+    (QuotaExceededError, 429, "user"),
+    (EngineDeadError, 503, "server"),
+]
+
+
+def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
+    from treadle.engine.engine import Engine
+
+    return Engine(model_dir, dtype=config.dtype, device=config.device, model_name=name)
+
+
+def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None) -> FastAPI:
+    make_engine = engine_factory or default_engine_factory
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        store = Store(config.resolved_db_url)
+        failed = store.fail_unfinished("the server restarted before this request finished")
+        if failed:
+            log.warning("marked %d unfinished requests of a previous run as failed", failed)
+        _expire_sessions_of_previous_run(store)
+        service = Service(config, store, FutureNotifier(asyncio.get_running_loop()))
+        for name, path in config.models.items():
+            log.info("loading model %s from %s", name, path)
+            service.add_engine(name, await asyncio.to_thread(make_engine, name, path, config))
+        app.state.service = service
+        reaper = asyncio.create_task(_reap_idle_sessions(service))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            service.stop()
+            store.close()
+
+    app = FastAPI(title="treadle", lifespan=lifespan)
+    for router_module in (session, training, futures, weights, sampling, treadle):
+        app.include_router(router_module.router)
+    # TreadleError goes through the routing layer's handler (the response is the answer);
+    # a bare Exception handler runs in the server-error middleware, which re-raises after.
+    app.add_exception_handler(TreadleError, _handle_error)
+    app.add_exception_handler(Exception, _handle_error)
+    app.add_exception_handler(RequestValidationError, _handle_validation_error)
+    return app
+
+
+def _expire_sessions_of_previous_run(store: Store) -> None:
+    from sqlalchemy import update
+
+    with store.session.begin() as s:
+        s.execute(update(SessionRow).where(SessionRow.status == "active").values(status="expired"))
+
+
+async def _reap_idle_sessions(service: Service) -> None:
+    period = min(5.0, service.config.heartbeat_timeout_s / 4)
+    while True:
+        await asyncio.sleep(period)
+        try:
+            await service.expire_idle_sessions()
+        except Exception:
+            log.exception("session reaper")
+
+
+async def _handle_error(request: Request, exc: Exception) -> JSONResponse:
+    """The one place errors become HTTP: always a JSON body naming the problem (the tinker
+    SDK takes a 400 with an empty body for a proxy reset and retries it)."""
+    for cls, status, category in STATUS_OF_ERROR:
+        if isinstance(exc, cls):
+            return JSONResponse({"error": str(exc), "category": category}, status_code=status)
+    if not isinstance(exc, TreadleError):
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(
+        {"error": f"internal server error: {type(exc).__name__}: {exc}", "category": "server"},
+        status_code=500,
+    )
+
+
+async def _handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        problems.append(f"{loc or 'body'}: {err.get('msg')}")
+    return JSONResponse(
+        {"error": "invalid request: " + "; ".join(problems), "category": "user"}, status_code=400
+    )
+
+
+def app_from_env() -> FastAPI:
+    """For `uvicorn --factory`: the config comes as JSON in the file TREADLE_CONFIG names."""
+    path = os.environ["TREADLE_CONFIG"]
+    return create_app(ServerConfig.model_validate_json(Path(path).read_text()))

@@ -1,0 +1,16 @@
+"""Shared route dependencies: the Service built by the app's lifespan."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from treadle.server.service import Service
+
+
+def get_service(request: Request) -> Service:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]

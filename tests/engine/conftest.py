@@ -1,0 +1,137 @@
+"""Shared fixtures of the engine tests: one tiny model folder per session, an engine on it,
+and a plain transformers copy of the same model as the independent reference."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.engine.types import TrainDatum
+
+_ids = itertools.count()
+
+# Tiny matrices gain nothing from threads, and on a busy machine idle-spinning OpenMP workers
+# make each op tens of times slower.
+torch.set_num_threads(1)
+
+
+def _fallback_model(out: Path) -> Path:
+    """A small random Llama and a word-level tokenizer, for when make_tiny_model is absent."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{f"w{i}": i + 1 for i in range(255)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    try:
+        from treadle.engine.tiny import make_tiny_model
+    except ImportError:
+        return _fallback_model(out)
+    return make_tiny_model(out, arch="llama", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir: Path):
+    """One engine for the session: tests create adapters under fresh ids (new_id)."""
+    from treadle.engine import Engine
+
+    return Engine(model_dir)
+
+
+@pytest.fixture(scope="session")
+def plain_model(model_dir: Path):
+    """The same base loaded by plain transformers: the reference the engine is held to."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
+@pytest.fixture
+def new_id():
+    """Unique adapter / snapshot ids, so tests sharing the session engine never collide."""
+    return lambda prefix="ad": f"{prefix}-{next(_ids)}"
+
+
+@pytest.fixture
+def sft_datum(engine):
+    """A random next-token datum of length T with weights in [0, 1)."""
+
+    def make(T: int, seed: int, top_k: int = 0) -> TrainDatum:
+        rng = np.random.default_rng(seed)
+        seq = rng.integers(0, engine.vocab_size, T + 1)
+        if top_k:
+            targets = rng.integers(0, engine.vocab_size, (T, top_k))
+            weights = rng.random((T, top_k)).astype(np.float32)
+        else:
+            targets = seq[1:]
+            weights = rng.random(T).astype(np.float32)
+        return TrainDatum(seq[:-1], {"target_tokens": targets, "weights": weights})
+
+    return make
+
+
+def perturb(adapter, seed: int, std: float = 0.05) -> None:
+    """Give B random values so the adapter differs from the base (and A gets gradients)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pair in adapter.layers.values():
+            pair.B.copy_(torch.randn(pair.B.shape, generator=gen) * std)
+
+
+def plain_logprobs(model, tokens: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+    """log p(target | prefix) by plain transformers, fp32: (T,) or (T, K)."""
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)[None]  # (1, T)
+    logp = model(input_ids=ids).logits[0].float().log_softmax(-1)  # (T, V)
+    tgt = torch.as_tensor(np.asarray(targets), dtype=torch.long)
+    if tgt.ndim == 1:
+        return logp.gather(-1, tgt[:, None])[:, 0]  # (T,)
+    return logp.gather(-1, tgt)  # (T, K)
+
+
+@pytest.fixture
+def helpers():
+    """perturb and plain_logprobs, as a fixture (tests folders are not packages)."""
+
+    class H:
+        pass
+
+    h = H()
+    h.perturb = perturb
+    h.plain_logprobs = plain_logprobs
+    return h

@@ -1,0 +1,231 @@
+"""forward_backward across sessions in one pass, gradient accumulation, AdamW, SFT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.engine import Engine
+from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
+from treadle.errors import InvalidRequestError, NotFoundError
+
+
+def _grads(engine, aid: str) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in engine.bank.live(aid).parameters()]
+
+
+def _clear(engine, aid: str) -> None:
+    for p in engine.bank.live(aid).parameters():
+        p.grad = None
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
+    specs = [
+        LoraSpec(rank=2, alpha=4, seed=1),
+        LoraSpec(rank=8, alpha=8, seed=2, train_mlp=False),
+        LoraSpec(rank=4, alpha=16, seed=3, train_unembed=False),
+    ]
+    ids = [new_id() for _ in specs]
+    data = {}
+    for k, (aid, spec) in enumerate(zip(ids, specs)):
+        engine.create_adapter(aid, spec)
+        data[aid] = [sft_datum(T, seed=10 * k + j) for j, T in enumerate((5, 11, 8))]
+        # one step first: B != 0, so every parameter gets a gradient below
+        engine.forward_backward([TrainBatch(aid, data[aid])])
+        engine.optim_step(aid, AdamSpec(learning_rate=1e-2))
+    batches = [TrainBatch(aid, data[aid]) for aid in ids]
+    batches[1].loss_fn, batches[1].data = (
+        "importance_sampling",
+        [
+            TrainDatum(
+                d.tokens,
+                {
+                    "target_tokens": d.loss_inputs["target_tokens"],
+                    "logprobs": -np.ones(len(d.tokens), np.float32),
+                    "advantages": np.linspace(-1, 1, len(d.tokens)).astype(np.float32),
+                },
+            )
+            for d in data[ids[1]]
+        ],
+    )
+    mixed = engine.forward_backward(batches)
+    mixed_grads = {aid: _grads(engine, aid) for aid in ids}
+    for aid, batch, result in zip(ids, batches, mixed, strict=True):
+        _clear(engine, aid)
+        (alone,) = engine.forward_backward([batch])
+        assert result.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+        for x, y in zip(result.outputs, alone.outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-5)
+        _close(mixed_grads[aid], _grads(engine, aid))
+        assert all(g.abs().max() > 0 for g in mixed_grads[aid])
+        engine.drop_adapter(aid)
+
+
+def test_padding_changes_nothing(engine, helpers, plain_model, sft_datum, new_id):
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=4, seed=9))
+    helpers.perturb(engine.bank.live(aid), seed=9)
+    short, long = sft_datum(4, seed=1), sft_datum(13, seed=2)
+    (alone,) = engine.forward_backward([TrainBatch(aid, [short])])
+    g_alone = _grads(engine, aid)
+    _clear(engine, aid)
+    engine.forward_backward([TrainBatch(aid, [long])])
+    g_long = _grads(engine, aid)
+    _clear(engine, aid)
+    (both,) = engine.forward_backward([TrainBatch(aid, [short, long])])
+    np.testing.assert_allclose(
+        both.outputs[0]["logprobs"], alone.outputs[0]["logprobs"], rtol=1e-5, atol=1e-5
+    )
+    # gradients of one pass over both datums = sum of the two single passes
+    _close(_grads(engine, aid), [a + b for a, b in zip(g_alone, g_long)])
+    engine.drop_adapter(aid)
+
+
+def test_gradients_accumulate_until_step(engine, sft_datum, new_id):
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=4, seed=3))
+    d = [sft_datum(7, seed=4)]
+    engine.forward_backward([TrainBatch(aid, d)])
+    once = _grads(engine, aid)
+    engine.forward_backward([TrainBatch(aid, d)])
+    _close(_grads(engine, aid), [2 * g for g in once])
+    engine.optim_step(aid, AdamSpec(learning_rate=1e-3))
+    assert all(p.grad is None for p in engine.bank.live(aid).parameters())
+    engine.forward_backward([TrainBatch(aid, d)], forward_only=True)
+    assert all(p.grad is None for p in engine.bank.live(aid).parameters())
+    assert engine.adapter_step(aid) == 1
+    engine.drop_adapter(aid)
+
+
+@pytest.mark.parametrize("clip, wd", [(0.0, 0.0), (0.05, 0.1), (1e6, 0.01)])
+def test_adamw_equals_torch(engine, sft_datum, new_id, clip, wd):
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=4, seed=5))
+    params = engine.bank.live(aid).parameters()
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    specs = [
+        AdamSpec(
+            learning_rate=1e-2,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=wd,
+            grad_clip_norm=clip,
+        ),
+        AdamSpec(
+            learning_rate=5e-3,
+            beta1=0.8,
+            beta2=0.99,
+            eps=1e-12,
+            weight_decay=wd,
+            grad_clip_norm=clip,
+        ),
+        AdamSpec(
+            learning_rate=2e-3,
+            beta1=0.8,
+            beta2=0.99,
+            eps=1e-12,
+            weight_decay=wd,
+            grad_clip_norm=clip,
+        ),
+    ]
+    reference = torch.optim.AdamW(copies, lr=1.0)
+    for step, spec in enumerate(specs):
+        engine.forward_backward([TrainBatch(aid, [sft_datum(9, seed=step)])])
+        for c, p in zip(copies, params):
+            c.grad = p.grad.clone()
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(c.grad) for c in copies])
+        )
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(copies, clip)
+        for group in reference.param_groups:
+            group.update(
+                lr=spec.learning_rate,
+                betas=(spec.beta1, spec.beta2),
+                eps=spec.eps,
+                weight_decay=spec.weight_decay,
+            )
+        reference.step()
+        metrics = engine.optim_step(aid, spec)
+        assert metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-5)
+        assert metrics["learning_rate:mean"] == spec.learning_rate
+        for c, p in zip(copies, params):
+            assert torch.equal(c.detach(), p.detach())
+        assert all(key.count(":") == 1 for key in metrics)  # the protocol's name:reduction
+    engine.drop_adapter(aid)
+
+
+def test_sft_drives_loss_to_zero(engine, new_id):
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=16, alpha=16, seed=0))
+    texts = [
+        "Max has 3 apples. He finds 2 more. Answer: 5",
+        "Ana has 7 pens. She loses 4. Answer: 3",
+        "Hello! How can I help you today?",
+        "The sky is usually blue during the day.",
+    ]
+    data = []
+    for text in texts:
+        seq = np.asarray(engine.tokenizer(text)["input_ids"])
+        w = np.ones(len(seq) - 1, np.float32)
+        data.append(TrainDatum(seq[:-1], {"target_tokens": seq[1:], "weights": w}))
+    n_tokens = sum(len(d.tokens) for d in data)
+    losses = []
+    for _ in range(60):
+        (res,) = engine.forward_backward([TrainBatch(aid, data)])
+        engine.optim_step(aid, AdamSpec(learning_rate=5e-3, beta2=0.99))
+        losses.append(res.metrics["loss:sum"] / n_tokens)
+    assert losses[0] > 4.0  # about log(vocab): the random base knows nothing
+    assert losses[-1] < 0.05, losses[::10]
+    engine.drop_adapter(aid)
+
+
+def test_bfloat16_base_keeps_fp32_loss(model_dir, new_id, sft_datum):
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine(model_dir, dtype="bfloat16")
+    aid = new_id()
+    eng.create_adapter(aid, LoraSpec(rank=4))
+    d = sft_datum(9, seed=1)
+    (res,) = eng.forward_backward([TrainBatch(aid, [d])])
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = ref(input_ids=torch.as_tensor(d.tokens)[None]).logits[0]  # (T, V) bf16
+    lp = (
+        logits.float()
+        .log_softmax(-1)
+        .gather(-1, torch.as_tensor(d.loss_inputs["target_tokens"])[:, None])[:, 0]
+    )
+    np.testing.assert_allclose(res.outputs[0]["logprobs"], lp.numpy(), rtol=1e-5, atol=1e-5)
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.float32
+        for p in eng.bank.live(aid).parameters()
+    )
+    eng.optim_step(aid, AdamSpec(learning_rate=1e-3))
+
+
+def test_optim_step_errors(engine, new_id):
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=2))
+    with pytest.raises(
+        InvalidRequestError, match=r"adam_params.beta2 must be in \[0, 1\), got 1.0"
+    ):
+        engine.optim_step(aid, AdamSpec(beta2=1.0))
+    with pytest.raises(InvalidRequestError, match="adam_params.learning_rate must be >= 0, got -1"):
+        engine.optim_step(aid, AdamSpec(learning_rate=-1))
+    with pytest.raises(InvalidRequestError, match="grad_clip_norm"):
+        engine.optim_step(aid, AdamSpec(grad_clip_norm=float("nan")))
+    snap = new_id("snap")
+    engine.snapshot(aid, snap)
+    with pytest.raises(NotFoundError, match=snap):
+        engine.optim_step(snap, AdamSpec())
+    engine.drop_snapshot(snap)
+    engine.drop_adapter(aid)

@@ -1,0 +1,184 @@
+"""The scheduling rule (plan_round) alone, then the engine loop with a fake engine.
+
+A fake engine belongs here: these tests are about which calls the loop makes and in what
+order, not about numbers (the API tests run the real engine).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from treadle.engine.types import TrainResult
+from treadle.errors import InvalidRequestError
+from treadle.server.executor import OpExecutor
+from treadle.server.scheduler import EngineWorker, ModelQueue, Op, plan_round
+from treadle.types import Datum
+
+
+def op(kind: str, model: str | None, seq: int | None, t: float = 0.0) -> Op:
+    return Op(
+        request_id=f"{model}-{seq}-{kind}", kind=kind, model_id=model, seq_id=seq, enqueued_at=t
+    )
+
+
+def queue(next_seq: int, *ops: Op) -> ModelQueue:
+    return ModelQueue(next_seq=next_seq, pending={o.seq_id: o for o in ops})
+
+
+def test_a_gap_blocks_its_model_only():
+    queues = {
+        "a": queue(1, op("forward_backward", "a", 2), op("optim_step", "a", 3)),
+        "b": queue(4, op("forward_backward", "b", 4)),
+    }
+    steps = plan_round(queues, [], 8)
+    assert [(s.kind, [o.request_id for o in s.ops]) for s in steps] == [
+        ("train", ["b-4-forward_backward"])
+    ]
+
+
+def test_one_op_per_model_per_round_in_seq_order():
+    queues = {"a": queue(0, op("forward_backward", "a", 0), op("forward_backward", "a", 1))}
+    steps = plan_round(queues, [], 8)
+    assert [o.seq_id for s in steps for o in s.ops] == [0]
+
+
+def test_train_heads_of_all_models_share_one_call_and_optim_is_a_per_model_barrier():
+    queues = {
+        "a": queue(3, op("forward_backward", "a", 3, t=2.0)),
+        "b": queue(5, op("optim_step", "b", 5), op("forward_backward", "b", 6)),
+        "c": queue(1, op("forward_backward", "c", 1, t=1.0)),
+        "d": queue(2, op("forward", "d", 2)),
+    }
+    steps = plan_round(queues, [], 8)
+    assert [s.kind for s in steps] == ["single", "train", "train"]
+    assert steps[0].ops[0].request_id == "b-5-optim_step"
+    assert [o.model_id for o in steps[1].ops] == ["c", "a"]  # oldest first
+    assert steps[1].forward_only is False
+    assert [o.model_id for o in steps[2].ops] == ["d"] and steps[2].forward_only is True
+
+
+def test_samples_share_one_call_up_to_the_cap_oldest_first():
+    samples = [op("sample", None, i, t=float(10 - i)) for i in range(5)]
+    steps = plan_round({}, samples, 3)
+    assert len(steps) == 1 and steps[0].kind == "sample"
+    assert [o.seq_id for o in steps[0].ops] == [4, 3, 2]
+
+
+# ---- the loop, with a fake engine ----------------------------------------------------------
+
+
+class FakeEngine:
+    """Records forward_backward calls; a batch of adapter 'bad' is refused as the real
+    engine refuses bad input: before computing anything."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.lock = threading.Lock()
+
+    def forward_backward(self, batches, forward_only=False):
+        with self.lock:
+            self.calls.append([b.adapter_id for b in batches])
+        if any(b.adapter_id == "bad" for b in batches):
+            raise InvalidRequestError("data[0].loss_fn_inputs['weights']: bad (fake)")
+        return [
+            TrainResult(
+                outputs=[{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in b.data],
+                metrics={"loss:sum": float(len(b.data))},
+            )
+            for b in batches
+        ]
+
+    def optim_step(self, adapter_id, spec):
+        with self.lock:
+            self.calls.append([f"optim:{adapter_id}"])
+        return {}
+
+
+def train_op(model: str, seq: int) -> Op:
+    datum = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]})
+    payload = {"data": [datum], "loss_fn": "cross_entropy", "loss_fn_config": {}}
+    return Op(
+        request_id=f"{model}:{seq}",
+        kind="forward_backward",
+        model_id=model,
+        seq_id=seq,
+        payload=payload,
+    )
+
+
+class Collector:
+    def __init__(self, expect: int):
+        self.outcomes: dict[str, dict] = {}
+        self.order: list[str] = []
+        self.expect = expect
+        self.done = threading.Event()
+
+    def __call__(self, outcomes):
+        for o in outcomes:
+            self.outcomes[o["request_id"]] = o
+            self.order.append(o["request_id"])
+        if len(self.outcomes) >= self.expect:
+            self.done.set()
+
+
+def make_worker(engine: FakeEngine, expect: int) -> tuple[EngineWorker, Collector]:
+    collect = Collector(expect)
+    return EngineWorker("fake", OpExecutor(engine, None, None), collect), collect
+
+
+def test_worker_waits_for_the_gap_then_runs_in_seq_order():
+    from treadle.types import AdamParams
+
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=3)
+    worker.add_model("a")
+    worker.start()
+    try:
+        worker.submit(Op("a:2", "optim_step", "a", 2, AdamParams()))
+        worker.submit(train_op("a", 1))
+        assert not collect.done.wait(0.3)  # seq 0 missing: nothing may run
+        assert engine.calls == []
+        worker.submit(train_op("a", 0))
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert collect.order == ["a:0", "a:1", "a:2"]
+    assert engine.calls == [["a"], ["a"], ["optim:a"]]
+
+
+def test_worker_batches_sessions_and_isolates_a_bad_request():
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=3)
+    for model in ("a", "b", "bad"):
+        worker.add_model(model)
+        worker.submit(train_op(model, 0))
+    worker.start()  # all three are queued before the first round: one engine call
+    try:
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert sorted(engine.calls[0]) == ["a", "b", "bad"]
+    assert sorted(map(tuple, engine.calls[1:])) == [("a",), ("b",), ("bad",)]  # retried alone
+    assert collect.outcomes["a:0"]["status"] == "done"
+    assert collect.outcomes["b:0"]["status"] == "done"
+    bad = collect.outcomes["bad:0"]
+    assert bad["status"] == "failed" and bad["error"]["category"] == "user"
+    assert "weights" in bad["error"]["error"]
+
+
+def test_worker_keeps_running_after_an_unexpected_error():
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=2)
+    worker.add_model("a")
+    worker.submit(Op("a:0", "no_such_kind", "a", 0))  # executor has no handler: a server error
+    worker.submit(train_op("a", 1))
+    worker.start()
+    try:
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert collect.outcomes["a:0"]["status"] == "failed"
+    assert collect.outcomes["a:0"]["error"]["category"] == "server"
+    assert collect.outcomes["a:1"]["status"] == "done"

@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ def peft_forward_backward(model, ids: torch.Tensor, targets: torch.Tensor, w: to
     lp = -F.cross_entropy(logits.float().view(B * T, V), targets.view(B * T), reduction="none")
     loss = -(lp.view(B, T) * w).sum()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def timed(fn) -> float:
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--no-sampling", action="store_true", help="skip engine_sampling.py")
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*(tie_word_embeddings|is_gradient_checkpointing).*")
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T, repeats = (4, 64, 3) if args.quick else (8, 256, 7)

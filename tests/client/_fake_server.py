@@ -103,10 +103,12 @@ def make_app(state: FakeState) -> FastAPI:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat() -> dict:
+        arrive("session_heartbeat", None)
         return {}
 
     @app.post("/api/v1/sessions/{sid}/finish")
     async def finish(sid: str) -> dict:
+        arrive("finish", None)
         return {}
 
     @app.post("/api/v1/create_model")

@@ -217,6 +217,27 @@ def test_custom_loss_that_raises_still_fills_its_seq_id(fake):
     assert [s for _, s in fake.state.executed] == [1, 2, 3]
 
 
+def test_session_heartbeats_until_the_last_training_client_stops(fake, monkeypatch):
+    from treadle.client import service
+
+    monkeypatch.setattr(service, "HEARTBEAT_S", 0.05)
+    svc = client(fake.url)
+    tc1 = svc.create_lora_training_client("fake/model")
+    tc2 = svc.create_lora_training_client("fake/model")
+    assert (tc1.model_id, tc2.model_id) == ("sess:train:0", "sess:train:1")
+    time.sleep(0.5)
+    tc1.stop()
+    assert [p for p, _, _ in fake.state.arrivals].count("finish") == 0  # tc2 still open
+    with tc2:
+        tc2.forward([datum(0)]).result(10)
+    beats = [p for p, _, _ in fake.state.arrivals].count("session_heartbeat")
+    assert beats >= 3
+    assert [p for p, _, _ in fake.state.arrivals].count("finish") == 1
+    time.sleep(0.3)
+    assert [p for p, _, _ in fake.state.arrivals].count("session_heartbeat") == beats
+    svc.close()
+
+
 # ---- pure helpers ----------------------------------------------------------------------------
 
 

@@ -188,13 +188,17 @@ def test_state_roundtrip_continues_exactly(engine, sft_datum, new_id, tmp_path):
         for x in (aid, resumed, weights_only):
             engine.forward_backward([TrainBatch(x, batch)])
             engine.optim_step(x, adam)
-    for p, q, r in zip(*(engine.bank.live(x).parameters() for x in (aid, resumed, weights_only))):
+    for p, q, _ in zip(
+        *(engine.bank.live(x).parameters() for x in (aid, resumed, weights_only)), strict=True
+    ):
         assert torch.equal(p, q)
     # a fresh optimizer takes different steps: the state really carried the moments
     assert any(
         not torch.equal(p, r)
         for p, r in zip(
-            engine.bank.live(aid).parameters(), engine.bank.live(weights_only).parameters()
+            engine.bank.live(aid).parameters(),
+            engine.bank.live(weights_only).parameters(),
+            strict=True,
         )
     )
     # load_state replaces an existing adapter

@@ -128,11 +128,15 @@ def test_value_on_plain_transformers_logprobs(engine, plain_model, helpers, new_
     engine.create_adapter(aid, LoraSpec(rank=RANK, alpha=ALPHA, seed=1))
     tokens, targets = _tokens(engine, case, seed=2)
     with torch.no_grad():
-        ref_lp = [helpers.plain_logprobs(plain_model, t, g) for t, g in zip(tokens, targets)]
+        ref_lp = [
+            helpers.plain_logprobs(plain_model, t, g) for t, g in zip(tokens, targets, strict=True)
+        ]
     data = _make_data(case, ref_lp, tokens, targets, seed=3)
     batch = TrainBatch(aid, data, LOSS_NAME.get(case, case), CONFIG[case])
     (result,) = engine.forward_backward([batch], forward_only=True)
-    expected = sum(float(formula(case, lp, _torch_inputs(d))) for lp, d in zip(ref_lp, data))
+    expected = sum(
+        float(formula(case, lp, _torch_inputs(d))) for lp, d in zip(ref_lp, data, strict=True)
+    )
     assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5, abs=1e-4)
     for out, lp, tgt in zip(result.outputs, ref_lp, targets, strict=True):
         assert out["logprobs"].shape == tgt.shape
@@ -151,7 +155,9 @@ def test_value_and_gradient_against_peft(engine, peft_model, helpers, new_id, ca
     _copy_into_peft(peft_model, adapter)
     tokens, targets = _tokens(engine, case, seed=6)
     with torch.no_grad():
-        lp0 = [helpers.plain_logprobs(peft_model, t, g) for t, g in zip(tokens, targets)]
+        lp0 = [
+            helpers.plain_logprobs(peft_model, t, g) for t, g in zip(tokens, targets, strict=True)
+        ]
     data = _make_data(case, lp0, tokens, targets, seed=7)
 
     (result,) = engine.forward_backward(
@@ -160,7 +166,7 @@ def test_value_and_gradient_against_peft(engine, peft_model, helpers, new_id, ca
 
     total = torch.zeros(())
     ratios = []
-    for t, g, d in zip(tokens, targets, data):
+    for t, g, d in zip(tokens, targets, data, strict=True):
         lp = helpers.plain_logprobs(peft_model, t, g)
         x = _torch_inputs(d)
         total = total + formula(case, lp, x)

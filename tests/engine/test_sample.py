@@ -1,5 +1,6 @@
 """The sampler against independent computations: plain transformers forward passes and
-`generate`, LoRA weights merged into a plain model, and decoding every request alone.
+`generate`, LoRA weights merged into a plain model, the trainer's forward, and decoding
+every request alone.
 
     .venv/bin/python -m pytest -q tests/engine/test_sample.py
 """
@@ -8,32 +9,18 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
-from treadle.engine.lora import AdapterBank
-from treadle.engine.models import load_base_model
+from treadle.engine import Engine
 from treadle.engine.sample import sample
 from treadle.engine.tiny import make_tiny_model
-from treadle.engine.types import LoraSpec, SampleRequest, SampleSpec
+from treadle.engine.types import LoraSpec, SampleRequest, SampleSpec, TrainBatch, TrainDatum
 from treadle.errors import InvalidRequestError
 
 ADAPTERS = ("ad-1", "ad-2", "ad-3")
 ATOL = 1e-4
-
-
-class StandInEngine:
-    """The attributes sample() reads, from the real loader and adapter bank.
-
-    Used until Engine itself can be constructed; `engine` below prefers the real one.
-    """
-
-    def __init__(self, model_dir):
-        base = load_base_model(model_dir)
-        self.model, self.tokenizer = base.model, base.tokenizer
-        self.vocab_size, self.max_seq_len = base.vocab_size, base.max_seq_len
-        self.eos_token_ids, self.device = base.eos_token_ids, base.device
-        self.bank = AdapterBank(self.model)
 
 
 def _sharpen(model: torch.nn.Module, seed: int = 0) -> None:
@@ -75,12 +62,7 @@ def _lora_weights(engine, seed: int) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    try:
-        from treadle.engine.engine import Engine
-
-        eng = Engine(model_dir)
-    except NotImplementedError:
-        eng = StandInEngine(model_dir)
+    eng = Engine(model_dir)
     for i, key in enumerate(ADAPTERS):
         weights, scales = _lora_weights(eng, seed=100 + i)
         eng.bank.add(key, LoraSpec(rank=4, alpha=2.0, train_unembed=False), weights, scales)
@@ -186,6 +168,65 @@ def test_prompt_logprobs_and_topk_equal_plain_forward(engine, ref_models, prompt
         assert [t for t, _ in topk[pos]] == row_i
         assert [v for _, v in topk[pos]] == pytest.approx(row_v, abs=ATOL)
     assert len(res[1].topk_prompt_logprobs[1]) == 5
+
+
+def test_scoring_in_chunks_equals_plain_forward(engine, ref_models, prompts, monkeypatch):
+    import treadle.engine.sample as sample_mod
+
+    # a budget of about two rows per chunk: the scoring prefill runs in several pieces
+    budget = 2 * max(map(len, prompts)) * engine.vocab_size
+    monkeypatch.setattr(sample_mod, "LOGITS_BUDGET", budget)
+    keys = [None, "ad-1", None, "ad-2", "ad-1"]
+    texts = [*prompts, prompts[0]]
+    reqs = [
+        SampleRequest(p, params=SampleSpec(max_tokens=0), adapter=a, prompt_logprobs=True)
+        for p, a in zip(texts, keys, strict=True)
+    ]
+    res = sample(engine, reqs)
+    for p, key, r in zip(texts, keys, res, strict=True):
+        assert r.prompt_logprobs[1:] == pytest.approx(ref_logprobs(ref_models[key], p), abs=ATOL)
+
+
+def test_one_token_requests_need_no_cache(engine, ref_models, prompts):
+    reqs = [
+        req(p, n=2, adapter=a, max_tokens=1, seed=3)
+        for p, a in zip(prompts, (*ADAPTERS, None), strict=True)
+    ]
+    for r, res in zip(reqs, sample(engine, reqs), strict=True):
+        for seq in res.sequences:
+            assert len(seq.tokens) == 1 and seq.stop_reason in ("length", "stop")
+            want = ref_logprobs(ref_models[r.adapter], r.prompt + seq.tokens)[-1]
+            assert seq.logprobs[0] == pytest.approx(want, abs=ATOL)
+
+
+def test_sampler_and_trainer_agree(engine, prompts):
+    """The trainer's forward (forward_only) scores the sampled tokens exactly as sampled."""
+    engine.snapshot("ad-2", "snap-2")
+    try:
+        reqs = [
+            req(prompts[0], n=2, adapter="ad-1", max_tokens=8, seed=1),
+            req(prompts[1], n=1, adapter="snap-2", max_tokens=8, seed=2, top_p=0.9),
+            req(prompts[2], n=1, adapter="ad-3", max_tokens=5, seed=3, temperature=0.5),
+            req(prompts[3], n=1, adapter=None, max_tokens=8, seed=4),
+        ]
+        results = engine.sample(reqs)
+        for r, res in zip(reqs[:3], results[:3], strict=True):
+            data = []
+            for seq in res.sequences:
+                full = np.array(r.prompt + seq.tokens, dtype=np.int64)
+                inputs = {"target_tokens": full[1:], "weights": np.ones(len(full) - 1)}
+                data.append(TrainDatum(tokens=full[:-1], loss_inputs=inputs))
+            out = engine.forward_backward([TrainBatch(r.adapter, data)], forward_only=True)[0]
+            for seq, o in zip(res.sequences, out.outputs, strict=True):
+                trainer_lp = o["logprobs"][len(r.prompt) - 1 :].tolist()
+                assert seq.logprobs == pytest.approx(trainer_lp, abs=ATOL)
+        # the snapshot samples like the adapter it was taken from
+        same = engine.sample(
+            [req(prompts[1], n=1, adapter="ad-2", max_tokens=8, seed=2, top_p=0.9)]
+        )
+        assert same[0].sequences[0].tokens == results[1].sequences[0].tokens
+    finally:
+        engine.drop_snapshot("snap-2")
 
 
 # ---- determinism ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
     ]
     ids = [new_id() for _ in specs]
     data = {}
-    for k, (aid, spec) in enumerate(zip(ids, specs)):
+    for k, (aid, spec) in enumerate(zip(ids, specs, strict=True)):
         engine.create_adapter(aid, spec)
         data[aid] = [sft_datum(T, seed=10 * k + j) for j, T in enumerate((5, 11, 8))]
         # one step first: B != 0, so every parameter gets a gradient below
@@ -68,6 +68,37 @@ def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
         engine.drop_adapter(aid)
 
 
+def test_same_adapter_in_two_batches_of_one_call(engine, helpers, sft_datum, new_id):
+    """Rows of one adapter scattered in the batch (a, b, a): permuted, then routed back."""
+    a, b = new_id(), new_id()
+    engine.create_adapter(a, LoraSpec(rank=4, seed=1))
+    engine.create_adapter(b, LoraSpec(rank=2, seed=2))
+    helpers.perturb(engine.bank.live(a), seed=1)
+    helpers.perturb(engine.bank.live(b), seed=2)
+    first, middle, last = sft_datum(6, seed=1), sft_datum(9, seed=2), sft_datum(4, seed=3)
+    res = engine.forward_backward(
+        [TrainBatch(a, [first]), TrainBatch(b, [middle]), TrainBatch(a, [last])]
+    )
+    grads_a, grads_b = _grads(engine, a), _grads(engine, b)
+    _clear(engine, a)
+    _clear(engine, b)
+    (ra,) = engine.forward_backward([TrainBatch(a, [first, last])])
+    (rb,) = engine.forward_backward([TrainBatch(b, [middle])])
+    _close(grads_a, _grads(engine, a))
+    _close(grads_b, _grads(engine, b))
+    assert res[0].metrics["loss:sum"] + res[2].metrics["loss:sum"] == pytest.approx(
+        ra.metrics["loss:sum"], rel=1e-5
+    )
+    np.testing.assert_allclose(
+        res[2].outputs[0]["logprobs"], ra.outputs[1]["logprobs"], rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        res[1].outputs[0]["logprobs"], rb.outputs[0]["logprobs"], rtol=1e-5, atol=1e-5
+    )
+    engine.drop_adapter(a)
+    engine.drop_adapter(b)
+
+
 def test_padding_changes_nothing(engine, helpers, plain_model, sft_datum, new_id):
     aid = new_id()
     engine.create_adapter(aid, LoraSpec(rank=4, seed=9))
@@ -84,7 +115,7 @@ def test_padding_changes_nothing(engine, helpers, plain_model, sft_datum, new_id
         both.outputs[0]["logprobs"], alone.outputs[0]["logprobs"], rtol=1e-5, atol=1e-5
     )
     # gradients of one pass over both datums = sum of the two single passes
-    _close(_grads(engine, aid), [a + b for a, b in zip(g_alone, g_long)])
+    _close(_grads(engine, aid), [a + b for a, b in zip(g_alone, g_long, strict=True)])
     engine.drop_adapter(aid)
 
 
@@ -139,7 +170,7 @@ def test_adamw_equals_torch(engine, sft_datum, new_id, clip, wd):
     reference = torch.optim.AdamW(copies, lr=1.0)
     for step, spec in enumerate(specs):
         engine.forward_backward([TrainBatch(aid, [sft_datum(9, seed=step)])])
-        for c, p in zip(copies, params):
+        for c, p in zip(copies, params, strict=True):
             c.grad = p.grad.clone()
         norm = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(c.grad) for c in copies])
@@ -157,7 +188,7 @@ def test_adamw_equals_torch(engine, sft_datum, new_id, clip, wd):
         metrics = engine.optim_step(aid, spec)
         assert metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-5)
         assert metrics["learning_rate:mean"] == spec.learning_rate
-        for c, p in zip(copies, params):
+        for c, p in zip(copies, params, strict=True):
             assert torch.equal(c.detach(), p.detach())
         assert all(key.count(":") == 1 for key in metrics)  # the protocol's name:reduction
     engine.drop_adapter(aid)

@@ -25,6 +25,7 @@ from tinker.proto.response_conv import (  # noqa: E402
 )
 
 PROTO = "application/x-protobuf"
+SECOND_MODEL = "second/tiny"
 
 
 class Raw:
@@ -104,11 +105,11 @@ def logprobs(out) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def fast_server(tiny_model_dir, tmp_path_factory):
-    """Short long polls (try_again after 1 s) and a short heartbeat timeout."""
+    """Short long polls (try_again after 1 s), a short heartbeat timeout, two models."""
     from conftest import TINY_MODEL_NAME, launch_server
 
     server = launch_server(
-        {TINY_MODEL_NAME: tiny_model_dir},
+        {TINY_MODEL_NAME: tiny_model_dir, SECOND_MODEL: tiny_model_dir},
         tmp_path_factory.mktemp("fast"),
         {"long_poll_s": 1.0, "heartbeat_timeout_s": 4.0},
     )
@@ -136,6 +137,16 @@ def test_out_of_order_requests_run_in_seq_order_and_resubmits_run_once(fast_serv
     assert raw.ok("/optim_step", optim)["request_id"] == r3
     lp5 = logprobs(raw.fwd_result(raw.fwd(model, 5, data, forward_only=True).json()["request_id"]))
     np.testing.assert_allclose(lp5, lp4, atol=1e-6)
+    assert request_row(fast_server, r2)["train_tokens"] == 4  # usage, recorded per request
+
+
+def request_row(server, request_id: str) -> dict:
+    import sqlite3
+
+    with sqlite3.connect(server.data_dir / "treadle.db") as db:
+        db.row_factory = sqlite3.Row
+        row = db.execute("SELECT * FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+    return dict(row)
 
 
 def test_sample_resubmit_and_json_results(fast_server):
@@ -163,6 +174,26 @@ def test_sample_resubmit_and_json_results(fast_server):
     assert [s["sequence_id"] for s in js["sequences"]] == fut["sample_sequence_ids"]
     assert js["prompt_logprobs"][0] is None
     np.testing.assert_allclose(js["prompt_logprobs"][1:], proto.prompt_logprobs[1:], rtol=1e-6)
+    usage = request_row(fast_server, fut["request_id"])
+    assert usage["prompt_tokens"] == 3
+    assert usage["sampled_tokens"] == sum(len(s.tokens) for s in proto.sequences)
+
+
+def test_each_served_model_has_its_own_engine(fast_server):
+    raw = Raw(fast_server.url)
+    caps = raw.http.get("/get_server_capabilities").json()["supported_models"]
+    assert sorted(m["model_name"] for m in caps) == sorted([fast_server.model_name, SECOND_MODEL])
+    sid = raw.session()
+    a = raw.model(sid, fast_server.model_name, model_seq_id=0)
+    b = raw.model(sid, SECOND_MODEL, model_seq_id=1)
+    assert raw.ok("/get_info", {"model_id": b})["model_data"]["model_name"] == SECOND_MODEL
+    data = [datum([3, 4, 5])]
+    outs = [
+        raw.fwd_result(raw.fwd(m, 1, data, forward_only=True).json()["request_id"]) for m in (a, b)
+    ]
+    np.testing.assert_allclose(logprobs(outs[0]), logprobs(outs[1]), atol=1e-6)  # same weights
+    r = raw.http.get(f"/treadle/models/{SECOND_MODEL}/tokenizer")
+    assert r.status_code == 200
 
 
 def test_long_poll_returns_the_moment_the_result_is_written(treadle_server):
@@ -270,6 +301,11 @@ def test_stubs_listings_and_tokenizer(treadle_server, tiny_model_dir, tmp_path):
         r["training_run_id"] for r in raw.http.get("/training_runs").json()["training_runs"]
     }
     assert model in raw.http.get(f"/sessions/{sid}").json()["training_run_ids"]
+    unload = raw.ok("/unload_model", {"model_id": model})
+    assert raw.wait(unload["request_id"]).json()["model_id"] == model
+    gone = raw.post("/get_info", {"model_id": model})
+    assert gone.status_code == 404 and "was unloaded" in gone.json()["error"]
+    assert raw.ok("/weights_info", {"tinker_path": saved})["base_model"]  # checkpoints stay
 
     r = raw.http.get(f"/treadle/models/{treadle_server.model_name}/tokenizer")
     assert r.status_code == 200 and r.headers["content-type"] == "application/zip"

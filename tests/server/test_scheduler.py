@@ -170,8 +170,9 @@ def test_worker_batches_sessions_and_isolates_a_bad_request():
 
 def test_worker_keeps_running_after_an_unexpected_error():
     engine = FakeEngine()
-    worker, collect = make_worker(engine, expect=2)
+    worker, collect = make_worker(engine, expect=3)
     worker.add_model("a")
+    worker.submit(Op("gone:0", "forward_backward", "gone", 0))  # a model never added
     worker.submit(Op("a:0", "no_such_kind", "a", 0))  # executor has no handler: a server error
     worker.submit(train_op("a", 1))
     worker.start()
@@ -182,3 +183,4 @@ def test_worker_keeps_running_after_an_unexpected_error():
     assert collect.outcomes["a:0"]["status"] == "failed"
     assert collect.outcomes["a:0"]["error"]["category"] == "server"
     assert collect.outcomes["a:1"]["status"] == "done"
+    assert "unloaded" in collect.outcomes["gone:0"]["error"]["error"]

@@ -11,9 +11,10 @@ Routing contract (the trainer and the sampler both rely on it):
         logits = model(input_ids).logits      # row 0,1: adapter sess-1; row 2: snapshot; row 3: base
 
 A key is a live adapter id, a snapshot id or None (the base model). Within one model call
-the rows of each distinct adapter are gathered with index_select and their update
-scattered back with index_add, so one pass (forward and backward) serves all of them;
-when every row uses the same adapter no indexing happens at all.
+each LoRA layer splits its input into the contiguous rows of each adapter (permuting first
+when an adapter's rows are scattered), runs that adapter's A and B on them and concatenates
+the updates, so one pass (forward and backward) serves all adapters; when every row uses
+the same adapter no splitting happens at all.
 """
 
 from __future__ import annotations
@@ -66,16 +67,19 @@ class Adapter:
 
 
 @dataclass
-class _Group:
-    adapter: Adapter
-    index: torch.Tensor  # (n,) rows that use this adapter
-
-
-@dataclass
 class _Route:
+    """How the rows of the next model calls map to adapters.
+
+    Rows are cut into contiguous segments of one key each (after a permutation when a key's
+    rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
+    per segment and concatenates: forward and backward stay linear in the batch size.
+    """
+
     n_rows: int
     whole: Adapter | None  # set when every row uses this one adapter (no indexing)
-    groups: list[_Group]
+    segments: list[tuple[Adapter | None, int]]  # (adapter or None for base, rows), in order
+    perm: torch.Tensor | None = None  # (B,) row order that makes segments contiguous
+    inverse: torch.Tensor | None = None  # (B,) undoes perm
 
 
 def classify_linear_modules(model: nn.Module) -> dict[str, str]:
@@ -231,17 +235,22 @@ class AdapterBank:
 
     def _plan(self, keys: list[str | None]) -> _Route:
         adapters = {k: self.get(k) for k in dict.fromkeys(keys) if k is not None}
+        if not adapters:
+            return _Route(len(keys), None, [])
         if len(adapters) == 1 and None not in keys:
             return _Route(len(keys), next(iter(adapters.values())), [])
+        order = list(dict.fromkeys(keys))  # distinct keys by first appearance
+        runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+        segments = [(adapters.get(k) if k is not None else None, keys.count(k)) for k in order]
+        if len(runs) == len(order):  # each key's rows already contiguous
+            return _Route(len(keys), None, segments)
+        rank = {k: i for i, k in enumerate(order)}
+        perm_list = sorted(range(len(keys)), key=lambda i: rank[keys[i]])  # stable
         device = self._device()
-        groups = [
-            _Group(
-                adapter,
-                torch.tensor([i for i, k in enumerate(keys) if k == key], device=device),
-            )
-            for key, adapter in adapters.items()
-        ]
-        return _Route(len(keys), None, groups)
+        perm = torch.tensor(perm_list, device=device)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(len(keys), device=device)
+        return _Route(len(keys), None, segments, perm, inverse)
 
     def _hook(self, path: str) -> None:
         if path in self._hooked:
@@ -261,21 +270,27 @@ class AdapterBank:
                 if pair is None:
                     return None
                 return (out + _delta(x, pair)).to(out.dtype)  # (B, T, out)
-            result = None
-            for group in route.groups:
-                pair = group.adapter.layers.get(path)
-                if pair is None:
-                    continue
-                idx = group.index
-                d = _delta(x.index_select(0, idx), pair)  # (n, T, out)
-                # add in the adapter dtype, then round: the same numbers as the one-adapter path
-                rows = (out.index_select(0, idx) + d).to(out.dtype)  # (n, T, out)
-                if result is None:
-                    result = out.index_copy(0, idx, rows)  # (B, T, out)
-                else:
-                    # our own tensor, not saved by autograd: safe to update in place
-                    result.index_copy_(0, idx, rows)
-            return result
+            if not route.segments:
+                return None
+            xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
+            pieces = xs.split([n for _, n in route.segments])
+            deltas: list[torch.Tensor | None] = []
+            for (adapter, _), piece in zip(route.segments, pieces, strict=True):
+                pair = adapter.layers.get(path) if adapter is not None else None
+                deltas.append(None if pair is None else _delta(piece, pair))  # (n, T, out)
+            real = next((d for d in deltas if d is not None), None)
+            if real is None:
+                return None
+            # base rows add an exact zero: the same arithmetic as the one-adapter path
+            delta = torch.cat(
+                [
+                    d if d is not None else real.new_zeros((p.shape[0], *real.shape[1:]))
+                    for d, p in zip(deltas, pieces, strict=True)
+                ]
+            )  # (B, T, out)
+            if route.inverse is not None:
+                delta = delta.index_select(0, route.inverse)
+            return (out + delta).to(out.dtype)
 
         self._hooked[path] = self.modules[path].register_forward_hook(hook)
 

@@ -4,7 +4,8 @@
 adapters (or snapshots, or the base model), prompt lengths and sampling settings:
 
 1. prefill: each distinct (adapter, prompt) is run once, left-padded into one batch, with the
-   per-row adapter keys handed to `engine.bank.rows`; prompt logprobs come out of this pass;
+   per-row adapter keys handed to `engine.bank.rows`; prompt logprobs come out of this pass
+   (prompts that are only scored, max_tokens 0, run apart without a cache, in chunks);
 2. expand: the cache rows are repeated so that the `num_samples` completions of a prompt share
    its single prefill;
 3. decode: one token per row per step, chosen by `sample_utils.pick_tokens` (vectorised
@@ -44,6 +45,10 @@ def _cache_arg(model_type: type) -> str:
     params = inspect.signature(model_type.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
+
+# Scoring prefills are split so that their full (rows, T, V) logits stay under this many
+# elements: compute_logprobs over many long prompts must not allocate rows * T * V at once.
+LOGITS_BUDGET = 2**27
 
 # Drop finished rows from the decode batch once this fraction of the batch has finished:
 # compaction copies the whole KV cache, so doing it for every single finished row costs more
@@ -104,68 +109,100 @@ def sample(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
 def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
     device = torch.device(engine.device)
     results = [SampleResult(sequences=[]) for _ in requests]
+    for req, res in zip(requests, results, strict=True):
+        if req.params.max_tokens == 0:
+            res.sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
 
-    # One prefill row per distinct (adapter, prompt); requests that want neither prompt
+    # One prefill row per distinct (adapter, prompt). A row is "generating" if some request
+    # decodes from it, else it only scores its prompt; requests that want neither prompt
     # logprobs nor new tokens need no model work at all.
-    prefill_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    row_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
     row_of_req: list[int] = []
     for req in requests:
         if _wants_prompt_logprobs(req) or req.params.max_tokens > 0:
             key = (req.adapter, tuple(req.prompt))
-            row_of_req.append(prefill_of.setdefault(key, len(prefill_of)))
+            row_of_req.append(row_of.setdefault(key, len(row_of)))
         else:
             row_of_req.append(-1)
-    prefill_keys = list(prefill_of)
-    if not prefill_keys:
-        for req, res in zip(requests, results, strict=True):
-            res.sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
-        return results
+    row_keys = list(row_of)
+    topks: dict[int, set[int]] = {}  # row -> the top-K sizes its requests ask for (0: none)
+    generating_row = [False] * len(row_keys)
+    for req, r in zip(requests, row_of_req, strict=True):
+        if _wants_prompt_logprobs(req):
+            topks.setdefault(r, set()).add(req.topk_prompt_logprobs)
+        if req.params.max_tokens > 0:
+            generating_row[r] = True
+
+    # Prompt logprobs, once per (row, top-K) even when several requests share the row.
+    memo: dict[tuple[int, int], tuple[list, list | None]] = {}
+
+    def collect(logits: torch.Tensor, rows: list[int], T: int) -> None:
+        for local, r in enumerate(rows):
+            for k in topks.get(r, ()):
+                memo[(r, k)] = prompt_logprobs_of_row(logits[local], row_keys[r][1], T, k)
+
+    # Scoring rows (compute_logprobs) need full logits and no cache: run them apart, longest
+    # first, in chunks whose (rows, T, V) logits fit LOGITS_BUDGET.
+    scoring = sorted(
+        (r for r in range(len(row_keys)) if not generating_row[r]),
+        key=lambda r: -len(row_keys[r][1]),
+    )
+    for chunk in _chunks(scoring, [len(row_keys[r][1]) for r in scoring], engine.vocab_size):
+        logits, _, T = _prefill(engine, [row_keys[r] for r in chunk], True, use_cache=False)
+        collect(logits, chunk, T)
+        del logits
 
     generating = [i for i, r in enumerate(requests) if r.params.max_tokens > 0]
-    full_logits = any(_wants_prompt_logprobs(r) for r in requests)
-    logits, cache, T = _prefill(engine, prefill_keys, full_logits, use_cache=bool(generating))
+    if generating:
+        gen_rows = [r for r in range(len(row_keys)) if generating_row[r]]
+        full = any(r in topks for r in gen_rows)
+        M = max(requests[i].params.max_tokens for i in generating)
+        # with max_tokens 1 everywhere the prefill logits give every token: no cache needed
+        logits, cache, T = _prefill(engine, [row_keys[r] for r in gen_rows], full, M > 1)
+        if full:
+            collect(logits, gen_rows, T)
+        last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
+        del logits
+        local = {r: j for j, r in enumerate(gen_rows)}
+        state, src = _expand(
+            engine, requests, generating, [local.get(r, -1) for r in row_of_req], T, device
+        )
+        preallocate(cache, src, T + M)
+        if src is not None:
+            last = last[src]  # (N, V)
+        tokens, logprobs, length, stopped = _decode(engine, state, cache, last, T)
+        tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
+        length_l, stopped_l = length.tolist(), stopped.tolist()
+        row = 0
+        for i in generating:
+            seqs = []
+            for _ in range(requests[i].num_samples):
+                n = length_l[row]
+                reason = "stop" if stopped_l[row] else "length"
+                seqs.append(SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason))
+                row += 1
+            results[i].sequences = seqs
 
-    # Prompt logprobs, computed once per (prefill row, top-K) even if several requests share it.
-    memo: dict[tuple[int, int], tuple[list, list | None]] = {}
     for i, req in enumerate(requests):
-        if not _wants_prompt_logprobs(req):
-            continue
-        p = row_of_req[i]
-        k = req.topk_prompt_logprobs
-        if (p, k) not in memo:
-            memo[(p, k)] = prompt_logprobs_of_row(logits[p], prefill_keys[p][1], T, k)
-        lps, topk = memo[(p, k)]
-        if req.prompt_logprobs:
-            results[i].prompt_logprobs = lps
-        if k > 0:
-            results[i].topk_prompt_logprobs = topk
-
-    for i, req in enumerate(requests):
-        if req.params.max_tokens == 0:
-            results[i].sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
-    if not generating:
-        return results
-
-    last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
-    del logits
-    state, src = _expand(engine, requests, generating, row_of_req, prefill_keys, T, device)
-    preallocate(cache, src, T + state.uniforms.shape[1])
-    if src is not None:
-        last = last[src]  # (N, V)
-    tokens, logprobs, length, stopped = _decode(engine, state, cache, last, T)
-
-    tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
-    length_l, stopped_l = length.tolist(), stopped.tolist()
-    row = 0
-    for i in generating:
-        seqs = []
-        for _ in range(requests[i].num_samples):
-            n = length_l[row]
-            reason = "stop" if stopped_l[row] else "length"
-            seqs.append(SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason))
-            row += 1
-        results[i].sequences = seqs
+        if _wants_prompt_logprobs(req):
+            lps, topk = memo[(row_of_req[i], req.topk_prompt_logprobs)]
+            if req.prompt_logprobs:
+                results[i].prompt_logprobs = lps
+            if req.topk_prompt_logprobs > 0:
+                results[i].topk_prompt_logprobs = topk
     return results
+
+
+def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]]:
+    """Split rows (sorted longest first) so that each chunk's padded logits fit the budget."""
+    chunks: list[list[int]] = []
+    T = 0  # padded length of the current chunk: that of its first, longest row
+    for r, n in zip(rows, lens, strict=True):
+        if not chunks or (len(chunks[-1]) + 1) * T * vocab_size > LOGITS_BUDGET:
+            chunks.append([])
+            T = n
+        chunks[-1].append(r)
+    return chunks
 
 
 def _wants_prompt_logprobs(req: SampleRequest) -> bool:
@@ -178,9 +215,9 @@ def _prefill(
     full_logits: bool,
     use_cache: bool,
 ) -> tuple[torch.Tensor, Any, int]:
-    """One left-padded forward over the distinct prompts: (logits, cache, padded length T).
+    """One left-padded forward over distinct prompts: (logits, cache or None, padded length T).
 
-    Logits are (P, T, V) when some request wants prompt logprobs, else (P, 1, V).
+    Logits are (P, T, V) with full_logits (prompt logprobs), else (P, 1, V).
     """
     device = torch.device(engine.device)
     lens = [len(p) for _, p in prefill_keys]
@@ -209,13 +246,13 @@ def _expand(
     requests: list[SampleRequest],
     generating: list[int],
     row_of_req: list[int],
-    prefill_keys: list[tuple[str | None, tuple[int, ...]]],
     T: int,
     device: torch.device,
 ) -> tuple[_Decode, torch.Tensor | None]:
     """Per-row decode state (one row per sample) and the prefill row each one reads.
 
-    The second value is None when the decode rows are exactly the prefill rows.
+    row_of_req[i] is request i's row in the generating prefill. The second value is None
+    when the decode rows are exactly the prefill rows.
     """
     V = int(engine.vocab_size)
     eos = [int(t) for t in engine.eos_token_ids]
@@ -267,7 +304,7 @@ def _expand(
         done=torch.zeros(N, dtype=torch.bool, device=device),
         matchers=matchers,
     )
-    identity = src == list(range(len(prefill_keys)))
+    identity = src == list(range(max(src) + 1))
     return state, None if identity else torch.tensor(src, dtype=torch.long, device=device)
 
 
@@ -299,8 +336,9 @@ def _decode(
             if st.matchers:
                 hit |= _stop_string_hits(st, tok)
             new = ~st.done & (hit | (st.max_tokens <= k + 1))  # (n,)
-            out_len[st.rows[new]] = k + 1
-            out_stop[st.rows[new]] = hit[new]
+            # index by row ids, not by the mask: no host sync on an accelerator
+            out_len[st.rows] = torch.where(new, k + 1, out_len[st.rows])
+            out_stop[st.rows] = torch.where(new, hit, out_stop[st.rows])
             st.done |= new
             n, n_done = len(st.keys), int(st.done.sum())
             if n_done == n:

@@ -10,7 +10,7 @@ from typing import Any
 from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.server import artifacts
 from treadle.server.db import new_id
-from treadle.server.service import Service, sample_sequence_id
+from treadle.server.service import Service, SessionGoneError, sample_sequence_id
 from treadle.server.validation import check_train_request, to_engine_sample_request
 from treadle.types import LoraConfig
 from treadle.wire import codec
@@ -215,7 +215,11 @@ def asample(svc: Service, body: SampleRequest) -> dict[str, Any]:
             "sampling_session_id: required (create one with create_sampling_session)"
         )
     sampler = svc.sampler(body.sampling_session_id)
-    svc.require_session(sampler.session_id)
+    try:
+        svc.require_session(sampler.session_id)
+    except SessionGoneError as e:
+        # 404, not 410: the tinker sampler retries a 410 for hours
+        raise NotFoundError(str(e)) from e
     ex = svc.executors[sampler.base_model]
     if sampler.engine_ref is not None and sampler.engine_ref not in ex.live_refs:
         raise NotFoundError(

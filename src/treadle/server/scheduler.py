@@ -159,12 +159,17 @@ class EngineWorker:
 
     def submit(self, op: Op) -> None:
         with self._cond:
+            queue = self.queues.get(op.model_id)
             if op.kind == "sample":
                 self.samples.append(op)
-            else:
-                queue = self.queues.setdefault(op.model_id, ModelQueue())
+            elif queue is not None:
                 queue.pending[op.seq_id] = op
             self._cond.notify()
+        if op.kind != "sample" and queue is None:  # its session ended since the API checked
+            error = {"error": f"model {op.model_id!r} was unloaded", "category": "user"}
+            self._finish_outcomes(
+                [{"request_id": op.request_id, "status": "failed", "error": error}]
+            )
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run fn on the engine thread before the next round; → its future."""

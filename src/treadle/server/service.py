@@ -7,6 +7,7 @@ treadle.errors exceptions, mapped to HTTP in one handler (treadle.server.app).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -122,27 +123,26 @@ class Service:
         waits = []
         for m in models:
             if m.base_model in self.workers:
-                worker, ex = self.workers[m.base_model], self.executors[m.base_model]
-                waits.append(
-                    worker.call(
-                        lambda w=worker, e=ex, mid=m.model_id: (
-                            w.remove_model(mid, reason),
-                            e.drop_model(mid),
-                        )
-                    )
-                )
+                waits.append(self._on_engine(m.base_model, self._unload, m.model_id, reason))
             self.store.set(ModelRow, m.model_id, status="unloaded")
         for s in samplers:
             if s.engine_ref and s.base_model in self.executors:
                 ex = self.executors[s.base_model]
-                waits.append(
-                    self.workers[s.base_model].call(lambda e=ex, r=s.engine_ref: e.drop_ref(r))
-                )
+                waits.append(self._on_engine(s.base_model, ex.drop_ref, s.engine_ref))
         for fut in waits:
             try:
                 await asyncio.wrap_future(fut)
             except Exception:
                 log.exception("freeing session %s", session_id)
+
+    def _on_engine(self, base_model: str, fn: Any, *args: Any) -> concurrent.futures.Future:
+        return self.workers[base_model].call(lambda: fn(*args))
+
+    def _unload(self, model_id: str, reason: str) -> None:
+        """Engine thread: fail the model's queued ops, then free its adapter and snapshots."""
+        base = self.store.get(ModelRow, model_id).base_model
+        self.workers[base].remove_model(model_id, reason)
+        self.executors[base].drop_model(model_id)
 
     async def expire_idle_sessions(self) -> list[str]:
         cutoff = time.monotonic() - self.config.heartbeat_timeout_s
@@ -160,14 +160,32 @@ class Service:
         if row is None:
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.require_session(row.session_id)
-        if row.base_model not in self.workers or not self.workers[row.base_model].has_model(
-            model_id
-        ):
+        worker = self.workers.get(row.base_model)
+        if worker is None or not worker.has_model(model_id):
+            why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
             raise NotFoundError(
-                f"{field}: model {model_id!r} is not loaded (the server restarted); create a "
-                "training client from one of its checkpoints"
+                f"{field}: model {model_id!r} {why}; create a training client from one of its "
+                "checkpoints"
             )
         return row
+
+    def unload_model(self, model_id: str) -> str:
+        """Free a model's adapter now (its checkpoints stay); → the future's request_id."""
+        row = self.require_model(model_id)
+        rid = new_id()
+        self.store.add(
+            RequestRow(request_id=rid, kind="unload", session_id=row.session_id, model_id=model_id)
+        )
+        self.pending.add(rid)
+
+        def run() -> None:
+            self.store.set(ModelRow, model_id, status="unloaded")
+            self._unload(model_id, f"model {model_id!r} was unloaded before this request ran")
+            result = {"model_id": model_id, "type": "unload_model"}
+            self._finish([OpExecutor.ok(Op(rid, "unload", model_id), result)])
+
+        self.workers[row.base_model].call(run)
+        return rid
 
     def find_run(self, run_or_model_id: str) -> ModelRow:
         rows = self.store.query(
@@ -240,14 +258,18 @@ class Service:
         original request_id back and is not queued again."""
         owner = model_id if sampling_session_id is None else sampling_session_id
         dedup_key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
-        if dedup_key is not None:
-            found = self.store.query(select(RequestRow).where(RequestRow.dedup_key == dedup_key))
-            if found:
-                return found[0].request_id
+        if (found := self._filed(dedup_key)) is not None:
+            return found
         if kind != "sample":
             if seq_id is None:
                 raise InvalidRequestError("seq_id: required for training requests")
-            worker.check_seq(model_id, seq_id)
+            try:
+                worker.check_seq(model_id, seq_id)
+            except InvalidRequestError:
+                # an identical request filed concurrently since our lookup is a resubmission
+                if (found := self._filed(dedup_key)) is not None:
+                    return found
+                raise
         row = RequestRow(
             request_id=new_id(),
             kind=kind,
@@ -262,6 +284,12 @@ class Service:
             self.pending.add(row.request_id)
             worker.submit(Op(row.request_id, kind, model_id, seq_id, payload))
         return row.request_id
+
+    def _filed(self, dedup_key: str | None) -> str | None:
+        if dedup_key is None:
+            return None
+        rows = self.store.query(select(RequestRow).where(RequestRow.dedup_key == dedup_key))
+        return rows[0].request_id if rows else None
 
     async def retrieve(self, request_id: str, want_proto: bool) -> tuple[bytes, str]:
         """Long-poll a future: → (body, content type) of its result, error or try_again."""

@@ -10,7 +10,12 @@ from treadle.errors import InvalidRequestError
 from treadle.server import handlers
 from treadle.server.deps import ServiceDep
 from treadle.types import GetInfoResponse, ModelData
-from treadle.wire.requests import CreateModelRequest, GetInfoRequest, OptimStepRequest
+from treadle.wire.requests import (
+    CreateModelRequest,
+    GetInfoRequest,
+    OptimStepRequest,
+    UnloadModelRequest,
+)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -57,3 +62,9 @@ async def forward_backward(request: Request, svc: ServiceDep) -> dict[str, Any]:
 @router.post("/optim_step")
 def optim_step(body: OptimStepRequest, svc: ServiceDep) -> dict[str, Any]:
     return handlers.optim_step(svc, body)
+
+
+@router.post("/unload_model")
+def unload_model(body: UnloadModelRequest, svc: ServiceDep) -> dict[str, Any]:
+    """Free the model's adapter at once (the treadle SDK calls it when a client is done)."""
+    return {"request_id": svc.unload_model(body.model_id), "model_id": body.model_id}

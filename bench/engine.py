@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -168,10 +169,8 @@ def sampling_figures(quick: bool) -> dict | None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["engine_sampling"] = module
     spec.loader.exec_module(module)
-    try:
-        return module.run(quick=quick)
-    except TypeError:
-        return module.run()
+    takes_quick = "quick" in inspect.signature(module.run).parameters
+    return module.run(quick=quick) if takes_quick else module.run()
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 engine in-process, and the round-trip overhead of a minimal call.
 
     .venv/bin/python bench/service.py                    # small tiny-llama, 10 steps
-    .venv/bin/python bench/service.py --steps 5 --batch 4 --seq-len 64
+    .venv/bin/python bench/service.py --quick              # 4x64 batches, one round
 
 Both loops run the same batches (random tokens, weight 1) with the same LoRA settings; the
 service loop submits forward_backward and optim_step together and waits for both each step,
@@ -156,7 +156,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two modes")
     ap.add_argument("--calls", type=int, default=30, help="repeats of each minimal call")
+    ap.add_argument("--quick", action="store_true", help="batch 4, seq-len 64, one round")
     args = ap.parse_args()
+    if args.quick:
+        args.batch, args.seq_len, args.rounds, args.calls = 4, 64, 1, 10
 
     spec = LoraSpec(rank=args.rank, alpha=float(args.rank), seed=0)
     adam_spec = AdamSpec(learning_rate=1e-4)

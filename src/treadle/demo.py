@@ -144,6 +144,7 @@ def run_demo(
             )
 
         rl_run = train_rl(rl, dataset, service=svc, on_step=print_row)
+        svc.close()
     plots = plot_run(rl_run.path)
     evals = [m for m in rl_run.metrics() if "test/reward" in m]
     summary = {

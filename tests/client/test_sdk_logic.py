@@ -238,6 +238,18 @@ def test_session_heartbeats_until_the_last_training_client_stops(fake, monkeypat
     svc.close()
 
 
+def test_unreachable_server_fails_fast_with_a_connection_error():
+    from _fake_server import free_port
+
+    from treadle.client.errors import APIConnectionError
+
+    t0 = time.monotonic()
+    with pytest.raises(APIConnectionError) as err:
+        client(f"http://127.0.0.1:{free_port()}")
+    assert isinstance(err.value, ConnectionError)
+    assert time.monotonic() - t0 < FAST_RETRY.deadline_s + 2
+
+
 # ---- pure helpers ----------------------------------------------------------------------------
 
 

@@ -232,3 +232,22 @@ def test_bad_requests_raise_typed_errors_and_the_client_keeps_working(server_url
             )
             == 1
         )
+
+
+def test_tokenizer_comes_from_the_server(server_url, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from treadle.client import tokenizer
+
+    tokenizer._memo.clear()  # fetch for real, into this test's cache folder
+    with ServiceClient(base_url=server_url) as svc:
+        tok = svc.get_tokenizer(TINY)
+    ref = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text in ["12+34=46", "What is 7*8?", "hello world"]:
+        assert tok.encode(text) == ref.encode(text)
+    chat = [{"role": "user", "content": "1+1="}]
+    assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(
+        chat, tokenize=False
+    )
+    (folder,) = (tmp_path / "cache" / "tokenizers" / "treadle" / "tiny-llama").iterdir()
+    assert (folder / "tokenizer.json").is_file()

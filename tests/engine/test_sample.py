@@ -467,3 +467,26 @@ def test_invalid_requests_name_the_field(engine, change, field):
     good = req([1, 2, 3], max_tokens=2)
     with pytest.raises(InvalidRequestError, match=field):
         sample(engine, [good, bad])
+
+
+def test_qwen3_architecture(tmp_path):
+    """Another architecture (q/k norms, explicit head_dim): greedy = generate, logprobs = forward."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, arch="qwen3", size="tiny")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    _sharpen(model, seed=1)
+    model.save_pretrained(path)
+    eng = Engine(path)
+    p1, p2 = prompt(eng, "Question: Li has 7 pens."), prompt(eng, "Hello!")
+    greedy, sampled = eng.sample(
+        [req(p1, max_tokens=10, temperature=0, stop_at_eos=False), req(p2, n=2, max_tokens=10)]
+    )
+    gen = model.generate(
+        torch.tensor([p1]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+        attention_mask=torch.ones(1, len(p1), dtype=torch.long),
+    )  # fmt: skip
+    assert greedy.sequences[0].tokens == gen[0, len(p1) :].tolist()
+    for seq in sampled.sequences:
+        want = ref_logprobs(model, p2 + seq.tokens)[len(p2) - 1 :]
+        assert seq.logprobs == pytest.approx(want, abs=ATOL)

@@ -65,6 +65,10 @@ class SamplingClient:
         return APIFuture(self._transport.submit(self._sample(body)))
 
     async def _sample(self, body: dict) -> SampleResponse:
+        async with self._transport.sample_slots:
+            return await self._sample_once(body)
+
+    async def _sample_once(self, body: dict) -> SampleResponse:
         for attempt in range(MAX_RESUBMITS + 1):
             reply = await self._transport.post(
                 "/api/v1/asample", body, headers={"X-Tinker-Sampling-Backpressure": "1"}

@@ -66,8 +66,11 @@ class ServiceClient:
         self.transport = Transport(base_url, api_key, retry=retry, timeout_s=timeout_s)
         try:
             self.client_config: dict[str, Any] = self.transport.call(
+                # a wrong URL should fail in seconds, not after the full retry deadline
                 self.transport.post(
-                    "/api/v1/client/config", rq.ClientConfigRequest(sdk_version=SDK_VERSION)
+                    "/api/v1/client/config",
+                    rq.ClientConfigRequest(sdk_version=SDK_VERSION),
+                    deadline_s=min(self.transport.retry.deadline_s, 10.0),
                 )
             )
         except BaseException:

@@ -80,6 +80,7 @@ class Transport:
         api_key: str | None,
         retry: RetryPolicy | None = None,
         timeout_s: float = 120.0,
+        max_in_flight_samples: int = 512,
     ):
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
@@ -89,6 +90,9 @@ class Transport:
         )
         self._thread.start()
         self._tasks: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
+        # Each sample in flight holds one connection for its long-poll; past this many, new
+        # samples wait in the client rather than exhaust the server's sockets.
+        self.sample_slots = asyncio.Semaphore(max_in_flight_samples)
         self._closed = False
         headers = {"User-Agent": f"treadle/{SDK_VERSION}", "x-sdk-version": SDK_VERSION}
         if api_key:
@@ -144,8 +148,11 @@ class Transport:
         headers: dict[str, str] | None = None,
         retry: bool = True,
         timeout: float | None = None,
+        deadline_s: float | None = None,
     ) -> httpx.Response:
-        """One HTTP call, retried on transient failures; raises a typed error on the rest."""
+        """One HTTP call, retried on transient failures (for `deadline_s`, default the
+        policy's); raises a typed error on the rest."""
+        deadline = self.retry.deadline_s if deadline_s is None else deadline_s
         start = time.monotonic()
         attempt = 0
         kwargs: dict[str, Any] = {"headers": headers}
@@ -159,7 +166,7 @@ class Transport:
             try:
                 resp = await self._client.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                if not retry or time.monotonic() - start > self.retry.deadline_s:
+                if not retry or time.monotonic() - start > deadline:
                     raise APIConnectionError(f"{method} {path} failed: {exc!r}") from exc
                 log.info("%s %s: %r, retrying", method, path, exc)
                 await asyncio.sleep(self.retry.backoff(attempt))
@@ -168,7 +175,7 @@ class Transport:
             if resp.status_code < 400:
                 return resp
             if retry and is_transient(resp.status_code):
-                if time.monotonic() - start <= self.retry.deadline_s:
+                if time.monotonic() - start <= deadline:
                     log.info("%s %s: HTTP %d, retrying", method, path, resp.status_code)
                     await asyncio.sleep(self.retry.backoff(attempt, _retry_after(resp)))
                     attempt += 1

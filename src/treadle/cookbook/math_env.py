@@ -14,6 +14,7 @@ from pathlib import Path
 
 from treadle.arithmetic import final_number, problem, strict_reward, worked_answer
 from treadle.cookbook.rl_types import Env, EnvGroupBuilder, RLDataset, StepResult
+from treadle.cookbook.sft import chat_tokens
 
 INSTRUCTION = " Show your working, then give the final answer after ####."
 
@@ -37,8 +38,7 @@ class Prompter:
         if self.prompt_format == "raw":
             return self.tokenizer.encode(f"Question: {question}\nAnswer:", add_special_tokens=False)
         messages = [{"role": "user", "content": question + INSTRUCTION}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_tokens(self.tokenizer, messages, add_generation_prompt=True)
 
 
 class MathEnv(Env):

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput
 from treadle.cookbook.run_dir import RunDir
+from treadle.cookbook.sft import chat_tokens
 
 
 @dataclass
@@ -70,17 +71,11 @@ def render(tokenizer, prompt, completion: str, max_length: int) -> Completion:
         completion_T = tokenizer.encode(completion, add_special_tokens=False)
         completion_T.append(tokenizer.eos_token_id)
     else:
-        prompt_T = _ids(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
-        full = _ids(
-            tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": completion}])
-        )
+        prompt_T = chat_tokens(tokenizer, prompt, add_generation_prompt=True)
+        full = chat_tokens(tokenizer, [*prompt, {"role": "assistant", "content": completion}])
         completion_T = full[len(prompt_T) :]
     keep = max(1, max_length - len(completion_T))
     return Completion(prompt_T[-keep:], completion_T[: max_length - 1])
-
-
-def _ids(rendered) -> list[int]:
-    return list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
 
 
 # ---- losses (torch) -----------------------------------------------------------------------
@@ -126,7 +121,9 @@ def make_loss_fn(loss: str, config: PreferenceConfig, ref, desirable, stats: dic
         )
         if loss == "dpo":
             value, margin = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], config.beta)
-            stats.update(accuracy=float((margin > 0).float().mean()), margin=float(margin.mean()))
+            stats.update(
+                accuracy=float((margin > 0).float().mean()), margin=float(margin.detach().mean())
+            )
         else:
             value, ratio = kto_loss(
                 policy,
@@ -137,8 +134,8 @@ def make_loss_fn(loss: str, config: PreferenceConfig, ref, desirable, stats: dic
                 config.undesirable_weight,
             )
             stats.update(
-                reward_desirable=_masked_mean(ratio, desirable),
-                reward_undesirable=_masked_mean(ratio, ~desirable),
+                reward_desirable=_masked_mean(ratio.detach(), desirable),
+                reward_undesirable=_masked_mean(ratio.detach(), ~desirable),
             )
         return value, {f"{loss}_loss": float(value)}
 

@@ -48,6 +48,14 @@ class SFTConfig:
 # ---- rendering ----------------------------------------------------------------------------
 
 
+def chat_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template."""
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
 def render_chat(tokenizer, messages: list[dict], max_length: int) -> Example:
     """Tokens of a conversation and a weight of 1 on assistant tokens (and their end token)."""
     out = tokenizer.apply_chat_template(

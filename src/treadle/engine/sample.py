@@ -324,7 +324,7 @@ def _decode(
 
     with contextlib.ExitStack() as rows_ctx:
         rows_ctx.enter_context(engine.bank.rows(st.keys))
-        k = 0
+        k, n_done = 0, 0  # step, finished rows still in the batch
         while True:
             tok, lp = pick_tokens(
                 logits, st.greedy, st.temperature, st.top_k, st.top_p, st.uniforms[:, k],
@@ -336,11 +336,14 @@ def _decode(
             if st.matchers:
                 hit |= _stop_string_hits(st, tok)
             new = ~st.done & (hit | (st.max_tokens <= k + 1))  # (n,)
-            # index by row ids, not by the mask: no host sync on an accelerator
-            out_len[st.rows] = torch.where(new, k + 1, out_len[st.rows])
-            out_stop[st.rows] = torch.where(new, hit, out_stop[st.rows])
-            st.done |= new
-            n, n_done = len(st.keys), int(st.done.sum())
+            n_new = int(new.sum())  # the one host sync of a step
+            if n_new:
+                # indexed by row ids, not by the mask: no second sync on an accelerator
+                out_len[st.rows] = torch.where(new, k + 1, out_len[st.rows])
+                out_stop[st.rows] = torch.where(new, hit, out_stop[st.rows])
+                st.done |= new
+                n_done += n_new
+            n = len(st.keys)
             if n_done == n:
                 break
             if n_done >= max(1, int(COMPACT_FRACTION * n)):
@@ -348,6 +351,7 @@ def _decode(
                 tok = tok[keep]
                 st.select(keep)
                 cache.batch_select_indices(keep)
+                n_done = 0
                 rows_ctx.close()  # the adapter keys must follow the rows
                 rows_ctx.enter_context(engine.bank.rows(st.keys))
             out = engine.model(

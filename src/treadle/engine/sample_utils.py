@@ -1,5 +1,6 @@
-"""Pieces of the sampler that need no KV cache: validation, token choice, stop strings,
-prompt logprobs. `treadle.engine.sample` puts them together.
+"""The sampler's pieces: request validation, token choice (temperature, top-k, top-p),
+prompt logprobs, stop strings, and the preallocated KV cache. `treadle.engine.sample` puts
+them together.
 """
 
 from __future__ import annotations
@@ -163,6 +164,13 @@ class StopStringMatcher:
         return any(s in text for s in self.stops)
 
 
+# ---- KV cache ----------------------------------------------------------------------------------
+# The model builds an HF DynamicCache during the prefill; `preallocate` then swaps each plain
+# DynamicLayer for a GrowingLayer sized for the whole decode, selecting the batch rows (one per
+# sample) at the same time. Everything else about the cache (mask sizes, other layer kinds such
+# as sliding windows) stays transformers' own.
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention cache layer whose keys / values live in one buffer sized for the decode.
 
@@ -220,7 +228,13 @@ def preallocate(cache: Any, rows: torch.Tensor | None, capacity: int) -> None:
     Other layer kinds (sliding windows, linear attention) keep their own update and are
     only row-selected. `rows` None keeps every row.
     """
-    for i, layer in enumerate(getattr(cache, "layers", [])):
+    if cache is None:
+        return
+    if not hasattr(cache, "layers"):  # a cache without per-layer objects (older transformers)
+        if rows is not None:
+            cache.batch_select_indices(rows)
+        return
+    for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized:
             k, v = layer.keys, layer.values
             if rows is not None:

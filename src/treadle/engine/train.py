@@ -123,7 +123,7 @@ def _batch_loss(
         lp = -F.cross_entropy(
             logits_f.reshape(n * T, V), targets.reshape(n * T), reduction="none"
         ).view(n, T)  # (n, T)
-    real = 1 + 0 * torch.arange(T, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    real = torch.arange(T, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     if top_k:
         real = real[..., None] & _k_mask(targets_np, n, T, K, device)  # (n, T, K)
     per_token = spec.fn(lp, inputs, batch.loss_config)  # (n, T[, K])

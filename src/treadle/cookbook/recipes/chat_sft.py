@@ -58,14 +58,16 @@ def load_conversations(source: str, limit: int) -> list[list[dict]]:
 def main(cfg: Config):
     from treadle import ServiceClient
 
-    svc = ServiceClient(base_url=cfg.base_url)
-    sft = SFTConfig(**{k: v for k, v in asdict(cfg).items() if k in SFTConfig.__dataclass_fields__})
-    conversations = load_conversations(cfg.dataset, cfg.max_examples)
-    tokenizer = svc.get_tokenizer(cfg.model)
-    examples = [render_chat(tokenizer, m, cfg.max_length) for m in conversations]
-    test, train = examples[: cfg.n_test], examples[cfg.n_test :]
-    run, _ = train_sft(sft, train, test, service=svc)
-    return run
+    with ServiceClient(base_url=cfg.base_url) as svc:
+        sft = SFTConfig(
+            **{k: v for k, v in asdict(cfg).items() if k in SFTConfig.__dataclass_fields__}
+        )
+        conversations = load_conversations(cfg.dataset, cfg.max_examples)
+        tokenizer = svc.get_tokenizer(cfg.model)
+        examples = [render_chat(tokenizer, m, cfg.max_length) for m in conversations]
+        test, train = examples[: cfg.n_test], examples[cfg.n_test :]
+        run, _ = train_sft(sft, train, test, service=svc)
+        return run
 
 
 if __name__ == "__main__":

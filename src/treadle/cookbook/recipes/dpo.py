@@ -35,18 +35,18 @@ class Config:
 def main(cfg: Config):
     from treadle import ServiceClient
 
-    svc = ServiceClient(base_url=cfg.base_url)
-    tokenizer = svc.get_tokenizer(cfg.model)
-    pairs = [
-        (
-            render(tokenizer, r["prompt"], r["chosen"], cfg.max_length),
-            render(tokenizer, r["prompt"], r["rejected"], cfg.max_length),
-        )
-        for r in load_rows(cfg.dataset, cfg.max_examples)
-    ]
-    fields = PreferenceConfig.__dataclass_fields__
-    config = PreferenceConfig(**{k: v for k, v in asdict(cfg).items() if k in fields})
-    return train_preference(config, "dpo", pairs, service=svc)
+    with ServiceClient(base_url=cfg.base_url) as svc:
+        tokenizer = svc.get_tokenizer(cfg.model)
+        pairs = [
+            (
+                render(tokenizer, r["prompt"], r["chosen"], cfg.max_length),
+                render(tokenizer, r["prompt"], r["rejected"], cfg.max_length),
+            )
+            for r in load_rows(cfg.dataset, cfg.max_examples)
+        ]
+        fields = PreferenceConfig.__dataclass_fields__
+        config = PreferenceConfig(**{k: v for k, v in asdict(cfg).items() if k in fields})
+        return train_preference(config, "dpo", pairs, service=svc)
 
 
 if __name__ == "__main__":

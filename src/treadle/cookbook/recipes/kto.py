@@ -37,15 +37,15 @@ class Config:
 def main(cfg: Config):
     from treadle import ServiceClient
 
-    svc = ServiceClient(base_url=cfg.base_url)
-    tokenizer = svc.get_tokenizer(cfg.model)
-    examples = [
-        (render(tokenizer, r["prompt"], r["completion"], cfg.max_length), bool(r["label"]))
-        for r in load_rows(cfg.dataset, cfg.max_examples)
-    ]
-    fields = PreferenceConfig.__dataclass_fields__
-    config = PreferenceConfig(**{k: v for k, v in asdict(cfg).items() if k in fields})
-    return train_preference(config, "kto", examples, service=svc)
+    with ServiceClient(base_url=cfg.base_url) as svc:
+        tokenizer = svc.get_tokenizer(cfg.model)
+        examples = [
+            (render(tokenizer, r["prompt"], r["completion"], cfg.max_length), bool(r["label"]))
+            for r in load_rows(cfg.dataset, cfg.max_examples)
+        ]
+        fields = PreferenceConfig.__dataclass_fields__
+        config = PreferenceConfig(**{k: v for k, v in asdict(cfg).items() if k in fields})
+        return train_preference(config, "kto", examples, service=svc)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,10 @@ def rl_config(cfg: Config) -> RLConfig:
 
 
 def main(cfg: Config):
-    return train_rl(rl_config(cfg), make_dataset_fn(cfg))
+    from treadle import ServiceClient
+
+    with ServiceClient(base_url=cfg.base_url) as svc:
+        return train_rl(rl_config(cfg), make_dataset_fn(cfg), service=svc)
 
 
 if __name__ == "__main__":

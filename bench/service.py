@@ -4,10 +4,10 @@ engine in-process, and the round-trip overhead of a minimal call.
     .venv/bin/python bench/service.py                    # small tiny-llama, 10 steps
     .venv/bin/python bench/service.py --quick              # 4x64 batches, one round
 
-Both loops run the same batches (random tokens, weight 1) with the same LoRA settings; the
-service loop submits forward_backward and optim_step together and waits for both each step,
-as a user's loop does. Modes alternate for --rounds rounds and the best time of each mode is
-kept, so that one noisy moment of a shared machine does not decide the ratio.
+Both loops run the same batches (random tokens, weight 1) with the same LoRA settings, their
+steps interleaved so that a shared machine's load swings hit both alike; the service loop
+submits forward_backward and optim_step together and waits for both each step, as a user's
+loop does. Of --rounds rounds, the least disturbed one (smallest total) is reported.
 
 Goals: sft_ratio = in-process time / service time >= 0.9; overhead of a minimal call
 (service round trip minus the engine's own time for it) <= 5 ms over loopback.
@@ -22,7 +22,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +40,24 @@ def make_batches(steps: int, batch: int, seq_len: int, vocab: int) -> list[np.nd
     return [rng.integers(0, vocab, (batch, seq_len + 1)) for _ in range(steps)]  # (B, T+1)
 
 
-def median_ms(fn: Callable[[], object], n: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+class Timer:
+    """Accumulates the wall time of the `with` blocks it guards."""
 
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.samples: list[float] = []
 
-# ---- in-process ------------------------------------------------------------------------------
+    def __enter__(self) -> Timer:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dt = time.perf_counter() - self._t0
+        self.total += dt
+        self.samples.append(dt)
+
+    def median_ms(self) -> float:
+        return 1000 * statistics.median(self.samples)
 
 
 def engine_batch(tokens_BT: np.ndarray, adapter: str) -> TrainBatch:
@@ -65,40 +71,6 @@ def engine_batch(tokens_BT: np.ndarray, adapter: str) -> TrainBatch:
     return TrainBatch(adapter_id=adapter, data=data, loss_fn="cross_entropy")
 
 
-def run_engine(engine: Engine, batches: list[np.ndarray], spec: LoraSpec, adam: AdamSpec) -> float:
-    engine.create_adapter("bench", spec)
-    engine.forward_backward([engine_batch(batches[0], "bench")])  # warm-up
-    engine.optim_step("bench", adam)
-    t0 = time.perf_counter()
-    for tokens_BT in batches:
-        engine.forward_backward([engine_batch(tokens_BT, "bench")])
-        engine.optim_step("bench", adam)
-    elapsed = time.perf_counter() - t0
-    engine.drop_adapter("bench")
-    return elapsed
-
-
-def engine_minimal_ms(engine: Engine, spec: LoraSpec, adam: AdamSpec, n: int) -> dict[str, float]:
-    engine.create_adapter("tiny-call", spec)
-    one = TrainBatch(
-        adapter_id="tiny-call",
-        data=[
-            TrainDatum(
-                np.array([1]), {"target_tokens": np.array([2]), "weights": np.ones(1, np.float32)}
-            )
-        ],
-    )
-    out = {
-        "forward1": median_ms(lambda: engine.forward_backward([one], forward_only=True), n),
-        "optim": median_ms(lambda: engine.optim_step("tiny-call", adam), n),
-    }
-    engine.drop_adapter("tiny-call")
-    return out
-
-
-# ---- through the service ---------------------------------------------------------------------
-
-
 def sdk_batch(tokens_BT: np.ndarray) -> list[Datum]:
     return [
         Datum(
@@ -109,43 +81,87 @@ def sdk_batch(tokens_BT: np.ndarray) -> list[Datum]:
     ]
 
 
-def run_service(
-    svc: ServiceClient, batches: list[np.ndarray], spec: LoraSpec, adam: AdamParams
-) -> float:
-    data = [sdk_batch(b) for b in batches]  # built outside the timed loop, as in-process
-    with svc.create_lora_training_client(
-        NAME, rank=spec.rank, alpha=spec.alpha, seed=spec.seed
-    ) as tc:
-        tc.forward_backward(data[0]).result()  # warm-up
-        tc.optim_step(adam).result()
-        t0 = time.perf_counter()
-        for batch in data:
+def sft_round(
+    engine: Engine, svc: ServiceClient, batches: list[np.ndarray], spec: LoraSpec, lr: float
+) -> tuple[float, float]:
+    """One SFT loop per mode, their steps interleaved: a shared machine's load swings then
+    hit both modes alike. The service step submits forward_backward and optim_step, then
+    waits for both, as a user's loop does."""
+    adam_spec, adam = AdamSpec(learning_rate=lr), AdamParams(learning_rate=lr)
+    data = [sdk_batch(b) for b in batches]  # built outside the timed steps, as in-process
+    engine.create_adapter("bench", spec)
+    tc = svc.create_lora_training_client(NAME, rank=spec.rank, alpha=spec.alpha, seed=spec.seed)
+    # warm-up step of each
+    engine.forward_backward([engine_batch(batches[0], "bench")])
+    engine.optim_step("bench", adam_spec)
+    tc.forward_backward(data[0]).result()
+    tc.optim_step(adam).result()
+    t_in, t_svc = Timer(), Timer()
+    for tokens_BT, batch in zip(batches, data, strict=True):
+        with t_in:
+            engine.forward_backward([engine_batch(tokens_BT, "bench")])
+            engine.optim_step("bench", adam_spec)
+        with t_svc:
             fb = tc.forward_backward(batch)
             op = tc.optim_step(adam)
             fb.result()
             op.result()
-        return time.perf_counter() - t0
+    engine.drop_adapter("bench")
+    tc.stop()
+    return t_in.total, t_svc.total
 
 
-def service_minimal_ms(
-    svc: ServiceClient, spec: LoraSpec, adam: AdamParams, n: int
-) -> dict[str, float]:
-    with svc.create_lora_training_client(NAME, rank=spec.rank, alpha=spec.alpha) as tc:
-        one = [
-            Datum(
-                model_input=ModelInput.from_ints([1]),
-                loss_fn_inputs={"target_tokens": [2], "weights": [1.0]},
+def minimal_calls(
+    engine: Engine, svc: ServiceClient, spec: LoraSpec, n: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms of a 1-token forward and an optim_step, engine alone vs through the
+    service (interleaved), and of get_info, a direct call that never reaches the engine."""
+    adam_spec, adam = AdamSpec(), AdamParams()
+    engine.create_adapter("tiny-call", spec)
+    one_engine = TrainBatch(
+        adapter_id="tiny-call",
+        data=[
+            TrainDatum(
+                np.array([1]), {"target_tokens": np.array([2]), "weights": np.ones(1, np.float32)}
             )
-        ]
-        info = {"model_id": tc.model_id}
-        return {
-            "forward1": median_ms(lambda: tc.forward(one).result(), n),
-            "optim": median_ms(lambda: tc.optim_step(adam).result(), n),
-            # a direct call: HTTP and the route only, no engine, no queue
-            "get_info": median_ms(
-                lambda: svc.transport.call(svc.transport.post("/api/v1/get_info", info)), n
-            ),
-        }
+        ],
+    )
+    one = [
+        Datum(
+            model_input=ModelInput.from_ints([1]),
+            loss_fn_inputs={"target_tokens": [2], "weights": [1.0]},
+        )
+    ]
+    tc = svc.create_lora_training_client(NAME, rank=spec.rank, alpha=spec.alpha)
+    info = {"model_id": tc.model_id}
+    calls = {
+        "forward1": (
+            lambda: engine.forward_backward([one_engine], forward_only=True),
+            lambda: tc.forward(one).result(),
+        ),
+        "optim": (
+            lambda: engine.optim_step("tiny-call", adam_spec),
+            lambda: tc.optim_step(adam).result(),
+        ),
+    }
+    eng_ms, svc_ms = {}, {}
+    for name, (on_engine, on_service) in calls.items():
+        on_engine(), on_service()  # warm-up
+        t_e, t_s = Timer(), Timer()
+        for _ in range(n):
+            with t_e:
+                on_engine()
+            with t_s:
+                on_service()
+        eng_ms[name], svc_ms[name] = t_e.median_ms(), t_s.median_ms()
+    t_info = Timer()
+    for _ in range(n):
+        with t_info:
+            svc.transport.call(svc.transport.post("/api/v1/get_info", info))
+    svc_ms["get_info"] = t_info.median_ms()
+    engine.drop_adapter("tiny-call")
+    tc.stop()
+    return eng_ms, svc_ms
 
 
 def main() -> None:
@@ -162,8 +178,6 @@ def main() -> None:
         args.batch, args.seq_len, args.rounds, args.calls = 4, 64, 1, 10
 
     spec = LoraSpec(rank=args.rank, alpha=float(args.rank), seed=0)
-    adam_spec = AdamSpec(learning_rate=1e-4)
-    adam = AdamParams(learning_rate=1e-4)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "model", "llama", "small")
         engine = Engine(model_dir)
@@ -172,20 +186,22 @@ def main() -> None:
         with ServerProcess({NAME: model_dir}, Path(tmp) / "data") as server:
             svc = ServiceClient(base_url=server.url)
             for _ in range(args.rounds):
-                inproc.append(run_engine(engine, batches, spec, adam_spec))
+                t_in, t_svc = sft_round(engine, svc, batches, spec, lr=1e-4)
+                inproc.append(round(t_in, 3))
+                service.append(round(t_svc, 3))
                 gc.collect()
-                service.append(run_service(svc, batches, spec, adam))
-            engine_ms = engine_minimal_ms(engine, spec, adam_spec, args.calls)
-            service_ms = service_minimal_ms(svc, spec, adam, args.calls)
+            engine_ms, service_ms = minimal_calls(engine, svc, spec, args.calls)
             svc.close()
 
     tokens = args.steps * args.batch * args.seq_len
-    t_in, t_svc = min(inproc), min(service)
+    # the round whose two loops were least disturbed by other load
+    best = min(range(len(inproc)), key=lambda i: inproc[i] + service[i])
+    t_in, t_svc = inproc[best], service[best]
     overhead = {k: service_ms[k] - engine_ms[k] for k in engine_ms}
     print(f"SFT loop, {args.steps} steps of {args.batch}x{args.seq_len} tokens, small tiny-llama:")
-    print(f"  in-process engine  {t_in:7.2f} s  {tokens / t_in:8.0f} tokens/s   (runs: {inproc})")
+    print(f"  in-process engine  {t_in:7.2f} s  {tokens / t_in:8.0f} tokens/s   (rounds: {inproc})")
     print(
-        f"  through service    {t_svc:7.2f} s  {tokens / t_svc:8.0f} tokens/s   (runs: {service})"
+        f"  through service    {t_svc:7.2f} s  {tokens / t_svc:8.0f} tokens/s   (rounds: {service})"
     )
     print(f"  ratio in-process/service = {t_in / t_svc:.3f}   (goal >= 0.9)")
     print("minimal calls, median ms (service round trip | engine alone | overhead):")

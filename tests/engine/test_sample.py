@@ -249,6 +249,9 @@ def test_same_seed_same_output_whatever_the_batch(engine, prompts):
     assert len({tuple(s.tokens) for s in alone.sequences}) == 3
     other = sample(engine, [req(prompts[0], n=3, max_tokens=10, seed=43, top_p=0.9)])[0]
     assert [s.tokens for s in other.sequences] != [s.tokens for s in alone.sequences]
+    # no seed: a fresh draw each call
+    a, b = (sample(engine, [req(prompts[0], max_tokens=10)])[0] for _ in range(2))
+    assert a.sequences[0].tokens != b.sequences[0].tokens
 
 
 def test_greedy_equals_generate_and_argmax(engine, ref_models, prompts):

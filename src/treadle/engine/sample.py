@@ -7,7 +7,7 @@ adapters (or snapshots, or the base model), prompt lengths and sampling settings
    per-row adapter keys handed to `engine.bank.rows`; prompt logprobs come out of this pass
    (prompts that are only scored, max_tokens 0, run apart without a cache, in chunks);
 2. expand: the cache rows are repeated so that the `num_samples` completions of a prompt share
-   its single prefill;
+   its single prefill, into buffers sized for the whole decode (`sample_utils.preallocate`);
 3. decode: one token per row per step, chosen by `sample_utils.pick_tokens` (vectorised
    temperature / top-k / top-p, one pre-drawn uniform per row and step); finished rows are
    dropped from the batch once enough of them have finished, so they stop costing work.

@@ -69,14 +69,15 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def alternate(a, b, repeats: int) -> tuple[float, float]:
-    """Median seconds of a and of b, run ABAB... after one warm-up each."""
-    a(), b()
-    ta, tb = [], []
+def alternate(*fns, repeats: int) -> list[float]:
+    """Median seconds of each function, run in turn (ABCABC...) after one warm-up each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        ta.append(timed(a))
-        tb.append(timed(b))
-    return statistics.median(ta), statistics.median(tb)
+        for fn, t in zip(fns, times, strict=True):
+            t.append(timed(fn))
+    return [statistics.median(t) for t in times]
 
 
 def bench_vs_peft(engine: Engine, model_dir: Path, B: int, T: int, rank: int, repeats: int):
@@ -95,7 +96,7 @@ def bench_vs_peft(engine: Engine, model_dir: Path, B: int, T: int, rank: int, re
     def theirs():
         peft_forward_backward(peft_model, ids, targets, w)
 
-    t_ours, t_peft = alternate(ours, theirs, repeats)
+    t_ours, t_peft = alternate(ours, theirs, repeats=repeats)
     engine.drop_adapter("speed")
     return {
         "fb_tokens_per_s": B * T / t_ours,
@@ -118,13 +119,17 @@ def bench_mixed(engine: Engine, n_adapters: int, T: int, rank: int, repeats: int
         for b in mixed:
             engine.forward_backward([b])
 
-    t_mixed, t_separate = alternate(one_pass, per_adapter, repeats)
+    def one_adapter():  # the same rows through the single-adapter fast path: routing cost
+        engine.forward_backward([TrainBatch(ids[0], data)])
+
+    t_mixed, t_separate, t_one = alternate(one_pass, per_adapter, one_adapter, repeats=repeats)
     for aid in ids:
         engine.drop_adapter(aid)
     return {
         "mixed_tokens_per_s": n_adapters * T / t_mixed,
         "separate_tokens_per_s": n_adapters * T / t_separate,
         "mixed_vs_separate": t_separate / t_mixed,
+        "mixed_vs_one_adapter_same_rows": t_one / t_mixed,
     }
 
 
@@ -202,7 +207,8 @@ def main() -> None:
         print(
             f"8 adapters: one mixed pass {result['mixed_tokens_per_s']:.0f} tok/s, 8 single "
             f"passes {result['separate_tokens_per_s']:.0f} tok/s, speed-up "
-            f"{result['mixed_vs_separate']:.2f}x"
+            f"{result['mixed_vs_separate']:.2f}x; vs one adapter on the same rows "
+            f"{result['mixed_vs_one_adapter_same_rows']:.2f} (routing cost, ideal 1.0)"
         )
         step_s = optim_step_seconds(engine, 8, repeats)
         for rank in (8, 64):

@@ -146,6 +146,19 @@ def test_all_samples_are_in_flight_before_the_first_wait(fake):
     assert sorted(s for p, s, _ in fake.state.arrivals if p == "asample") == list(range(16))
 
 
+def test_a_pickled_sampling_client_samples_under_its_own_seq_ids(fake):
+    from treadle.client.sampling import CLONE_BLOCK
+
+    with client(fake.url) as svc:
+        sc = svc.create_sampling_client(base_model="fake/model")
+        sc.sample([1, 2]).result(10)
+        copy = pickle.loads(pickle.dumps(sc))
+        assert copy.sampling_session_id == sc.sampling_session_id
+        assert [s.tokens for s in copy.sample([5, 6], 2).result(10).sequences] == [[6, 0], [6, 1]]
+    seqs = [s for p, s, _ in fake.state.arrivals if p == "asample"]
+    assert seqs[0] == 0 and seqs[1] >= CLONE_BLOCK and seqs[1] % CLONE_BLOCK == 0
+
+
 def test_errors_are_typed_and_the_client_keeps_working(fake):
     with client(fake.url) as svc:
         tc = svc.create_lora_training_client("fake/model")
@@ -156,8 +169,11 @@ def test_errors_are_typed_and_the_client_keeps_working(fake):
         with pytest.raises(RequestFailedError) as failed:
             tc.save_state("ok").result(10)
         assert failed.value.message == "disk full" and failed.value.category == "server"
+        with pytest.raises(TypeError):  # cannot be encoded: raised at once, no seq_id spent
+            tc.forward([datum(0)], loss_fn_config={"clip": [1, 2]})
         out = tc.forward([datum(0)]).result(10)
     assert out.metrics["loss:sum"] == pytest.approx(expected_loss([datum(0)]), rel=1e-6)
+    assert [s for p, s in train_arrivals(fake)] == [3]  # after save_state's 1 and 2
 
 
 def test_futures_can_be_awaited_from_asyncio(fake):
@@ -248,6 +264,18 @@ def test_unreachable_server_fails_fast_with_a_connection_error():
         client(f"http://127.0.0.1:{free_port()}")
     assert isinstance(err.value, ConnectionError)
     assert time.monotonic() - t0 < FAST_RETRY.deadline_s + 2
+
+
+def test_tokenizer_without_transformers_encodes_alike(tiny_model_dir):
+    from treadle.client.tokenizer import RawTokenizer, load_from_dir
+
+    hf = load_from_dir(tiny_model_dir)
+    raw = load_from_dir(tiny_model_dir, use_transformers=False)
+    assert isinstance(raw, RawTokenizer) and len(raw) == len(hf)
+    for text in ["12+34=46", "What is 7*8? 56", "<|im_end|>"]:
+        ids = raw.encode(text)
+        assert ids == hf.encode(text)
+        assert raw.decode(ids) == hf.decode(ids)
 
 
 # ---- pure helpers ----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from treadle.client.transport import RetryPolicy
 
 torch = pytest.importorskip("torch")
 
-TINY = "treadle/tiny-llama"  # the name conftest serves the tiny model under
+TINY = "treadle/tiny-llama"  # the name tests/conftest.py serves the tiny model under
 FAST_RETRY = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=20)
 WAIT = 120  # seconds any single result may take on a busy 2-core machine
 ATOL = 2e-3  # sampler vs trainer logprobs: same weights, different batch shapes

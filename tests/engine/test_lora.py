@@ -94,15 +94,16 @@ def test_memory_is_adapter_only(engine, new_id):
     engine.drop_adapter(aid)
 
 
+@pytest.mark.parametrize("T", [1, 5, 9])  # decode-short rows take the all-adapters matmul
 @torch.no_grad()
-def test_mixed_rows_equal_single_adapter_passes(engine, helpers, new_id):
+def test_mixed_rows_equal_single_adapter_passes(engine, helpers, new_id, T):
     a, b, c = new_id(), new_id(), new_id()
     engine.create_adapter(a, LoraSpec(rank=2, seed=1))
     engine.create_adapter(b, LoraSpec(rank=8, seed=2, train_mlp=False))
     engine.create_adapter(c, LoraSpec(rank=4, seed=3, train_unembed=False))
     for i, x in enumerate((a, b, c)):
         helpers.perturb(engine.bank.live(x), seed=i)
-    ids = _ids(engine, B=5)
+    ids = _ids(engine, B=5, T=T)
     keys = [a, b, None, c, a]
     with engine.bank.rows(keys):
         mixed = engine.model(input_ids=ids).logits  # (5, T, V)
@@ -114,6 +115,10 @@ def test_mixed_rows_equal_single_adapter_passes(engine, helpers, new_id):
         with engine.bank.rows([key] * 5):
             alone = engine.model(input_ids=ids).logits
         torch.testing.assert_close(mixed[row], alone[row], rtol=1e-5, atol=1e-5)
+        with engine.bank.rows(keys):  # the same route twice: cached stacks stay right
+            engine.model(input_ids=ids)
+            again = engine.model(input_ids=ids).logits
+        torch.testing.assert_close(again[row], alone[row], rtol=1e-5, atol=1e-5)
         assert (alone[row] - base[row]).abs().max() > 1e-3  # the adapter does something
     for x in (a, b, c):
         engine.drop_adapter(x)

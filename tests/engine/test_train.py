@@ -68,14 +68,15 @@ def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
         engine.drop_adapter(aid)
 
 
-def test_same_adapter_in_two_batches_of_one_call(engine, helpers, sft_datum, new_id):
-    """Rows of one adapter scattered in the batch (a, b, c, a): permuted, then routed back."""
+@pytest.mark.parametrize("lengths", [(6, 9, 5, 4), (3, 5, 2, 4)])  # long rows, decode-short rows
+def test_same_adapter_in_two_batches_of_one_call(engine, helpers, sft_datum, new_id, lengths):
+    """Rows of one adapter scattered in the batch (a, b, c, a): each gets its own gradient."""
     ids = [new_id() for _ in range(3)]
     for k, aid in enumerate(ids):
         engine.create_adapter(aid, LoraSpec(rank=2 + 2 * k, seed=k))
         helpers.perturb(engine.bank.live(aid), seed=k)
     a, b, c = ids
-    data = [sft_datum(T, seed=k) for k, T in enumerate((6, 9, 5, 4))]
+    data = [sft_datum(T, seed=k) for k, T in enumerate(lengths)]
     keys = [a, b, c, a]
     res = engine.forward_backward([TrainBatch(k, [d]) for k, d in zip(keys, data, strict=True)])
     mixed_grads = {aid: _grads(engine, aid) for aid in ids}

@@ -11,6 +11,7 @@ Samples need no ordering: each call is sent at once from the background loop wit
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,15 +26,33 @@ from treadle.wire import requests as rq
 
 # A result the server let expire (HTTP 410) is asked for again under a new seq_id.
 MAX_RESUBMITS = 3
+# An unpickled copy numbers its samples from CLONE_BLOCK * (random clone id), as the tinker
+# SDK does, so that copies in other processes never reuse the original's seq_ids.
+CLONE_BLOCK = 1_000_000_000
+
+_clone_transports: dict[tuple[str, str | None], Transport] = {}
+_clone_lock = threading.Lock()
 
 
 class SamplingClient:
-    def __init__(self, transport: Transport, sampling_session_id: str, base_model: str | None):
+    def __init__(
+        self,
+        transport: Transport,
+        sampling_session_id: str,
+        base_model: str | None,
+        first_seq_id: int = 0,
+    ):
         self._transport = transport
         self.sampling_session_id = sampling_session_id
         self._base_model = base_model
-        self._seq = itertools.count()
+        self._seq = itertools.count(first_seq_id)
         self._seq_lock = threading.Lock()
+
+    def __reduce__(self) -> tuple:
+        """Picklable (e.g. for worker processes): the copy opens its own connection pool and
+        samples under the same sampling session, which the original's session keeps alive."""
+        t = self._transport
+        return (_unpickle, (t.base_url, t.api_key, self.sampling_session_id, self._base_model))
 
     def __repr__(self) -> str:
         return f"SamplingClient(sampling_session_id={self.sampling_session_id!r})"
@@ -106,3 +125,14 @@ class SamplingClient:
     def get_tokenizer(self) -> Any:
         """The base model's tokenizer, fetched from the server and cached locally."""
         return load_tokenizer(self._transport, self.get_base_model())
+
+
+def _unpickle(
+    base_url: str, api_key: str | None, sampling_session_id: str, base_model: str | None
+) -> SamplingClient:
+    with _clone_lock:
+        transport = _clone_transports.get((base_url, api_key))
+        if transport is None:
+            transport = _clone_transports[(base_url, api_key)] = Transport(base_url, api_key)
+    clone_id = secrets.randbelow(CLONE_BLOCK - 1) + 1
+    return SamplingClient(transport, sampling_session_id, base_model, CLONE_BLOCK * clone_id)

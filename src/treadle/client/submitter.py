@@ -60,8 +60,8 @@ class OrderedSubmitter:
         """Reserve `n_seq_ids` consecutive ids and queue the job built for them."""
         with self.lock:  # reserve and queue atomically, so ids and queue order agree
             ids = range(self._next_seq_id, self._next_seq_id + n_seq_ids)
+            job = make_job(ids)  # may raise (a body that cannot be encoded): no id is spent
             self._next_seq_id += n_seq_ids
-            job = make_job(ids)
             self._pending.add(job.future)
             job.future.add_done_callback(self._pending.discard)
             self._transport.loop.call_soon_threadsafe(self._queue.put_nowait, job)

@@ -3,7 +3,7 @@
 `GET /api/v1/treadle/models/{name}/tokenizer` returns a flat zip of the model folder's
 tokenizer files; they are written under `~/.cache/treadle/tokenizers/<name>/<digest>/` (TREADLE_CACHE_DIR
 moves the root) and loaded with `transformers.AutoTokenizer` when it is installed, else with
-the `tokenizers` library. The digest of the files names the folder, so a server that swaps a
+the `tokenizers` library (wrapped to answer `encode` with a list of ids). The digest of the files names the folder, so a server that swaps a
 model under the same name never meets a stale cache.
 """
 
@@ -76,14 +76,39 @@ def write_files(name: str, files: dict[str, bytes]) -> Path:
     return folder
 
 
-def load_from_dir(folder: Path) -> Any:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        from tokenizers import Tokenizer
+class RawTokenizer:
+    """The `tokenizers` library's Tokenizer with the calls a training loop makes of an HF
+    tokenizer (`encode` → list of ids, `decode`, `len`), for installs without transformers."""
 
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return AutoTokenizer.from_pretrained(str(folder))
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def load_from_dir(folder: Path, use_transformers: bool = True) -> Any:
+    """AutoTokenizer on the folder when transformers is installed, else a RawTokenizer."""
+    if use_transformers:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            pass
+        else:
+            return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ImportError(
+            "get_tokenizer needs `transformers` or `tokenizers` (pip install tokenizers)"
+        ) from exc
+    return RawTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")))
 
 
 def load_tokenizer(transport: Transport, name: str) -> Any:

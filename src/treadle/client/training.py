@@ -95,11 +95,7 @@ class TrainingClient:
 
         def make_job(ids: range) -> Job:
             sub = Submission(path, make_body(ids[0]), request_type)
-
-            async def build() -> list[Submission]:
-                return [sub]
-
-            return Job(build, lambda raw: parse(raw[0]))
+            return _ready_job([sub], lambda raw: parse(raw[0]))
 
         return self._submitter.enqueue(1, make_job)
 
@@ -135,11 +131,7 @@ class TrainingClient:
 
         def make_job(ids: range) -> Job:
             subs = self._fwd_bwd_subs(chunks, ids, loss_fn, loss_fn_config, forward_only)
-
-            async def build() -> list[Submission]:
-                return subs
-
-            return Job(build, _decode_outputs)
+            return _ready_job(subs, _decode_outputs)
 
         return self._submitter.enqueue(len(chunks), make_job)
 

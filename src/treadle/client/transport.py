@@ -83,6 +83,7 @@ class Transport:
         max_in_flight_samples: int = 512,
     ):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.retry = retry or RetryPolicy()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

@@ -11,10 +11,16 @@ Routing contract (the trainer and the sampler both rely on it):
         logits = model(input_ids).logits      # row 0,1: adapter sess-1; row 2: snapshot; row 3: base
 
 A key is a live adapter id, a snapshot id or None (the base model). Within one model call
-each LoRA layer splits its input into the contiguous rows of each adapter (permuting first
-when an adapter's rows are scattered), runs that adapter's A and B on them and concatenates
-the updates, so one pass (forward and backward) serves all adapters; when every row uses
-the same adapter no splitting happens at all.
+each LoRA layer serves all adapters, forward and backward:
+- one adapter for every row: plain `out + scale * B(A(x))`, no indexing at all;
+- many tokens per row (training, prefill): the input is split into the contiguous rows of
+  each adapter (permuted first when an adapter's rows are scattered), one matmul pair per
+  adapter, the updates concatenated: linear in the batch size;
+- a few tokens per row (decoding): all adapters' A stacked along the rank, one matmul, each
+  row keeps its own rank slice, one matmul with the B's stacked the same way.
+Rows without a LoRA on a layer add an exact zero, so a fresh adapter (B = 0) is the base.
+Inside one rows() context under no_grad the stacked weights are reused across calls:
+do not change adapter weights in place inside such a context.
 """
 
 from __future__ import annotations
@@ -80,6 +86,13 @@ class _Route:
     segments: list[tuple[Adapter | None, int]]  # (adapter or None for base, rows), in order
     perm: torch.Tensor | None = None  # (B,) row order that makes segments contiguous
     inverse: torch.Tensor | None = None  # (B,) undoes perm
+    slots: torch.Tensor | None = None  # (B,) segment index of each row
+    cache: dict = field(default_factory=dict)  # per-route constants of _concat_delta
+
+
+# Few tokens per row (decoding): all adapters in one matmul pair (_concat_delta) beats a
+# matmul pair per adapter; with many tokens per row the extra FLOPs would not pay.
+CONCAT_MAX_TOKENS = 8
 
 
 def classify_linear_modules(model: nn.Module) -> dict[str, str]:
@@ -242,15 +255,16 @@ class AdapterBank:
         order = list(dict.fromkeys(keys))  # distinct keys by first appearance
         runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
         segments = [(adapters.get(k) if k is not None else None, keys.count(k)) for k in order]
-        if len(runs) == len(order):  # each key's rows already contiguous
-            return _Route(len(keys), None, segments)
-        rank = {k: i for i, k in enumerate(order)}
-        perm_list = sorted(range(len(keys)), key=lambda i: rank[keys[i]])  # stable
         device = self._device()
+        slot = {k: i for i, k in enumerate(order)}
+        slots = torch.tensor([slot[k] for k in keys], device=device)
+        if len(runs) == len(order):  # each key's rows already contiguous
+            return _Route(len(keys), None, segments, slots=slots)
+        perm_list = sorted(range(len(keys)), key=lambda i: slot[keys[i]])  # stable
         perm = torch.tensor(perm_list, device=device)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(len(keys), device=device)
-        return _Route(len(keys), None, segments, perm, inverse)
+        return _Route(len(keys), None, segments, perm, inverse, slots)
 
     def _hook(self, path: str) -> None:
         if path in self._hooked:
@@ -270,27 +284,12 @@ class AdapterBank:
                 if pair is None:
                     return None
                 return (out + _delta(x, pair)).to(out.dtype)  # (B, T, out)
-            if not route.segments:
+            pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+            if all(p is None for p in pairs):
                 return None
-            xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
-            pieces = xs.split([n for _, n in route.segments])
-            deltas: list[torch.Tensor | None] = []
-            for (adapter, _), piece in zip(route.segments, pieces, strict=True):
-                pair = adapter.layers.get(path) if adapter is not None else None
-                deltas.append(None if pair is None else _delta(piece, pair))  # (n, T, out)
-            real = next((d for d in deltas if d is not None), None)
-            if real is None:
-                return None
-            # base rows add an exact zero: the same arithmetic as the one-adapter path
-            delta = torch.cat(
-                [
-                    d if d is not None else real.new_zeros((p.shape[0], *real.shape[1:]))
-                    for d, p in zip(deltas, pieces, strict=True)
-                ]
-            )  # (B, T, out)
-            if route.inverse is not None:
-                delta = delta.index_select(0, route.inverse)
-            return (out + delta).to(out.dtype)
+            if x.shape[1] <= CONCAT_MAX_TOKENS:
+                return (out + _concat_delta(x, pairs, route)).to(out.dtype)
+            return (out + _segmented_delta(x, pairs, route)).to(out.dtype)
 
         self._hooked[path] = self.modules[path].register_forward_hook(hook)
 
@@ -316,6 +315,56 @@ class AdapterBank:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def _segmented_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tensor:
+    """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out)."""
+    xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
+    pieces = xs.split([n for _, n in route.segments])
+    deltas = [
+        None if pair is None else _delta(piece, pair)  # (n, T, out)
+        for pair, piece in zip(pairs, pieces, strict=True)
+    ]
+    real = next(d for d in deltas if d is not None)
+    # rows without a LoRA here add an exact zero: the arithmetic of the one-adapter path
+    delta = torch.cat(
+        [
+            d if d is not None else real.new_zeros((p.shape[0], *real.shape[1:]))
+            for d, p in zip(deltas, pieces, strict=True)
+        ]
+    )  # (B, T, out)
+    return delta if route.inverse is None else delta.index_select(0, route.inverse)
+
+
+def _concat_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tensor:
+    """All adapters at once: x @ [A_1; ...; A_S]^T, keep each row's own rank slice (times
+    its scale), then @ [B_1 ... B_S]^T. Two matmuls that read every adapter's weights once:
+    the cheapest shape for decoding, where a few tokens meet many adapters. (B, T, out)
+    """
+    present = [p for p in pairs if p is not None]
+    key = tuple(id(p) for p in pairs)
+    cached = route.cache.get(key) if not torch.is_grad_enabled() else None
+    if cached is None:
+        a_cat = torch.cat([p.A for p in present])  # (R, in)
+        b_cat = torch.cat([p.B for p in present], dim=1)  # (out, R)
+        cached = (a_cat, b_cat)
+        if not torch.is_grad_enabled():  # weights cannot change inside one sampling call
+            route.cache[key] = cached
+    a_cat, b_cat = cached
+    sig = tuple((p.A.shape[0], p.scale) if p is not None else None for p in pairs)
+    mask = route.cache.get(sig)
+    if mask is None:
+        columns = []  # per segment: its scale on its own rank slice, zero elsewhere
+        for p in pairs:
+            row = []
+            for q in present:
+                value = p.scale if q is p else 0.0
+                row += [value] * q.A.shape[0]
+            columns.append(row)
+        per_slot = torch.tensor(columns, dtype=a_cat.dtype, device=a_cat.device)  # (S, R)
+        mask = route.cache[sig] = per_slot[route.slots][:, None, :]  # (B, 1, R)
+    h = F.linear(x.to(a_cat.dtype), a_cat) * mask  # (B, T, R)
+    return F.linear(h, b_cat)  # (B, T, out)
 
 
 def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:

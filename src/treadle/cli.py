@@ -9,24 +9,30 @@ treadle plot runs/demo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> None:
     from treadle.server.config import ServerConfig, parse_model_arg
     from treadle.server.main import serve
 
-    if not args.model:
+    # A --config file gives any ServerConfig field; flags given on the command line win.
+    settings = json.loads(Path(args.config).read_text()) if args.config else {}
+    models = dict(settings.get("models", {}))
+    models.update(parse_model_arg(m) for m in args.model)
+    if not models:
         sys.exit("treadle serve: give at least one --model NAME=PATH (or --model PATH)")
-    config = ServerConfig(
-        models=dict(parse_model_arg(m) for m in args.model),
-        host=args.host,
-        port=args.port,
-        data_dir=args.data_dir,
-        db_url=args.db,
-        dtype=args.dtype,
-    )
-    serve(config)
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "db_url": args.db,
+        "dtype": args.dtype,
+    }
+    settings |= {k: v for k, v in flags.items() if v is not None}
+    serve(ServerConfig(**{**settings, "models": models}))
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -60,11 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="NAME=PATH of a local HF model folder (repeatable); PATH alone names it after the folder",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--data-dir", default="./treadle-data", help="database and artifacts")
-    p.add_argument("--db", default=None, help="SQLAlchemy URL (default: SQLite under --data-dir)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--host", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--data-dir", help="database and artifacts (default ./treadle-data)")
+    p.add_argument("--db", help="SQLAlchemy URL (default: SQLite under --data-dir)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default float32")
+    p.add_argument("--config", help="a JSON file of server settings (see ServerConfig)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("make-tiny-model", help="build a small random model folder offline")

@@ -6,6 +6,7 @@ with ServerProcess({"treadle/tiny-llama": ".models/tiny-llama"}, data_dir) as se
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ class ServerProcess:
         models: dict[str, str | Path],
         data_dir: str | Path,
         port: int = 0,
+        config: dict | None = None,
         extra_args: list[str] | None = None,
         log_path: str | Path | None = None,
         startup_timeout_s: float = 120.0,
@@ -35,6 +37,7 @@ class ServerProcess:
         self.models = models
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.config = config  # extra ServerConfig fields, passed as a --config file
         self.extra_args = extra_args or []
         self.log_path = Path(log_path) if log_path else self.data_dir / "server.log"
         self.startup_timeout_s = startup_timeout_s
@@ -44,15 +47,24 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def model_name(self) -> str:
+        """The first served model's name."""
+        return next(iter(self.models))
+
     def start(self) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "treadle.cli", "serve", "--port", str(self.port)]
         cmd += ["--data-dir", str(self.data_dir), *self.extra_args]
+        if self.config:
+            config_path = self.data_dir / f"config-{self.port}.json"
+            config_path.write_text(json.dumps(self.config))
+            cmd += ["--config", str(config_path)]
         for name, path in self.models.items():
             cmd += ["--model", f"{name}={path}"]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the handle
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()
         return self
 
@@ -60,7 +72,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"treadle serve exited early; see {self.log_path}")
+                raise RuntimeError(f"treadle serve exited early:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/api/v1/healthz", timeout=1.0).status_code == 200:
                     return
@@ -68,7 +80,12 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise TimeoutError(f"treadle serve not healthy after {self.startup_timeout_s}s")
+        raise TimeoutError(
+            f"treadle serve not healthy after {self.startup_timeout_s}s:\n{self.log()[-4000:]}"
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -1,7 +1,6 @@
 """The FastAPI app factory: settings, database, engines and the engine loops are built in
 the lifespan, never at import.
 
-    uvicorn --factory treadle.server.app:app_from_env   (reads TREADLE_CONFIG, a JSON file)
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -128,9 +126,3 @@ async def _handle_validation_error(request: Request, exc: RequestValidationError
     return JSONResponse(
         {"error": "invalid request: " + "; ".join(problems), "category": "user"}, status_code=400
     )
-
-
-def app_from_env() -> FastAPI:
-    """For `uvicorn --factory`: the config comes as JSON in the file TREADLE_CONFIG names."""
-    path = os.environ["TREADLE_CONFIG"]
-    return create_app(ServerConfig.model_validate_json(Path(path).read_text()))

@@ -30,29 +30,40 @@ MODEL_NAME = "treadle/tiny-llama"
 @dataclass
 class DemoConfig:
     seed: int = 0
-    lora_rank: int = 64
-    lora_alpha: float = 64.0
+    # A rank-128 adapter on a 128-wide model: LoRA with the reach of full fine-tuning.
+    lora_rank: int = 128
+    lora_alpha: float = 128.0
     sft_examples: int = 20_000
     corrupt_frac: float = 0.4
-    sft_steps: int = 400
+    sft_steps: int = 600
     sft_batch: int = 64
-    sft_lr: float = 2e-3
+    sft_lr: float = 1e-3
     rl_steps: int = 40
     rl_questions: int = 32
     rl_group: int = 8
-    rl_lr: float = 1e-4
+    rl_lr: float = 5e-5
     rl_loss: str = "ppo"
-    eval_every: int = 5
+    eval_every: int = 10
     eval_problems: int = 300
     eval_samples: int = 4
     max_tokens: int = 32
 
 
+TEST_SEED = 987_654
+
+
+def held_out(cfg: DemoConfig) -> list:
+    return arithmetic_problems(cfg.eval_problems, seed=TEST_SEED)
+
+
 def sft_examples(tokenizer, cfg: DemoConfig) -> list:
     rng = random.Random(cfg.seed + 1)
+    test_questions = {p.question for p in held_out(cfg)}
     examples = []
-    for _ in range(cfg.sft_examples):
+    while len(examples) < cfg.sft_examples:
         question, steps = problem(rng)
+        if question in test_questions:
+            continue
         answer, _ = worked_answer(steps, rng, corrupt=rng.random() < cfg.corrupt_frac)
         examples.append(
             render_completion(tokenizer, f"Question: {question}\nAnswer:", f" {answer}", 128)
@@ -134,9 +145,16 @@ def run_demo(
         )
 
         def dataset(tok) -> MathDataset:
+            test = held_out(cfg)
+            test_questions = {p.question for p in test}
+            train = [
+                p
+                for p in arithmetic_problems(5000, seed=cfg.seed + 2)
+                if p.question not in test_questions
+            ]
             return MathDataset(
-                train=arithmetic_problems(5000, seed=cfg.seed + 2),
-                test=arithmetic_problems(cfg.eval_problems, seed=10_000),
+                train=train,
+                test=test,
                 prompter=Prompter(tok, "raw"),
                 batch_size=cfg.rl_questions,
                 strict=True,

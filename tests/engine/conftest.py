@@ -20,39 +20,9 @@ _ids = itertools.count()
 torch.set_num_threads(1)
 
 
-def _fallback_model(out: Path) -> Path:
-    """A small random Llama and a word-level tokenizer, for when make_tiny_model is absent."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, **{f"w{i}": i + 1 for i in range(255)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama")
-    try:
-        from treadle.engine.tiny import make_tiny_model
-    except ImportError:
-        return _fallback_model(out)
-    return make_tiny_model(out, arch="llama", size="tiny")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

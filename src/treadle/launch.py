@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,17 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that started it dies, so a killed
+    demo or test run never leaves a server behind. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -64,7 +76,9 @@ class ServerProcess:
             cmd += ["--model", f"{name}={path}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the handle
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
         self._wait_healthy()
         return self
 

@@ -1,5 +1,6 @@
 """Engine benchmark, training half: is our LoRA training as fast as plain torch + peft, does
-one mixed-adapter pass beat one pass per adapter, and what does a snapshot cost?
+one mixed-adapter pass beat one pass per adapter, what does merging a high-rank adapter into
+its layers save, and what does a snapshot cost?
 
     python bench/engine.py            # the "small" tiny model, batch 8 x 256
     python bench/engine.py --quick    # a short run (batch 4 x 64, fewer repeats)
@@ -133,6 +134,46 @@ def bench_mixed(engine: Engine, n_adapters: int, T: int, rank: int, repeats: int
     }
 
 
+def bench_high_rank(B: int, T: int, rank: int, repeats: int) -> dict:
+    """One SFT step (forward_backward + optim_step) of a rank-`rank` adapter (alpha = rank) on
+    the tiny model, whose width 128 makes such a rank merge: merged weights against the
+    low-rank product (the same engine with merging off) and against plain peft + AdamW."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", arch="llama", size="tiny")
+        engine = Engine(model_dir)
+        engine.create_adapter("hr", LoraSpec(rank=rank, alpha=float(rank), seed=0))
+        data = sft_data(engine.vocab_size, B, T, seed=3)
+        batch = [TrainBatch("hr", data)]
+        peft_model = peft_baseline(model_dir, rank, float(rank))
+        peft_opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad])
+        ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
+        targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))
+        w = torch.as_tensor(np.stack([d.loss_inputs["weights"] for d in data]))  # (B, T)
+
+        def step(merge: bool):
+            engine.bank.merge_when_cheaper = merge
+            engine.forward_backward(batch)
+            engine.optim_step("hr", AdamSpec(learning_rate=1e-4))
+
+        def peft_step():
+            peft_forward_backward(peft_model, ids, targets, w)
+            peft_opt.step()
+            peft_opt.zero_grad(set_to_none=True)
+
+        t_merged, t_unmerged, t_peft = alternate(
+            lambda: step(True), lambda: step(False), peft_step, repeats=repeats
+        )
+    return {
+        "high_rank": rank,
+        "high_rank_batch": [B, T],
+        "high_rank_step_s": t_merged,
+        "high_rank_unmerged_step_s": t_unmerged,
+        "high_rank_peft_step_s": t_peft,
+        "high_rank_merged_vs_unmerged": t_unmerged / t_merged,
+        "high_rank_merged_vs_peft": t_peft / t_merged,
+    }
+
+
 def bench_snapshot(engine: Engine, rank: int, repeats: int, step_s: float) -> dict:
     aid = f"snap-src-{rank}"
     engine.create_adapter(aid, LoraSpec(rank=rank))
@@ -209,6 +250,14 @@ def main() -> None:
             f"passes {result['separate_tokens_per_s']:.0f} tok/s, speed-up "
             f"{result['mixed_vs_separate']:.2f}x; vs one adapter on the same rows "
             f"{result['mixed_vs_one_adapter_same_rows']:.2f} (routing cost, ideal 1.0)"
+        )
+        result |= bench_high_rank(64, 60, 128, 3 if args.quick else 7)
+        print(
+            "high-rank single adapter (tiny model, rank 128, batch 64 x 60), one SFT step: "
+            f"merged {result['high_rank_step_s']:.3f} s, unmerged "
+            f"{result['high_rank_unmerged_step_s']:.3f} s, speed-up "
+            f"{result['high_rank_merged_vs_unmerged']:.2f}x; plain peft "
+            f"{result['high_rank_peft_step_s']:.3f} s ({result['high_rank_merged_vs_peft']:.2f}x)"
         )
         step_s = optim_step_seconds(engine, 8, repeats)
         for rank in (8, 64):

@@ -1,7 +1,7 @@
 """One frozen base model, many LoRA adapters, each batch row routed to its own adapter.
 
 peft can mix adapters in one batch only for inference, so the engine has its own LoRA:
-a forward hook on every targeted nn.Linear adds `scale * B(A(x))` of each row's adapter.
+every targeted nn.Linear gets a forward that adds `scale * B(A(x))` of each row's adapter.
 The module tree and the base weights stay untouched (tied embeddings included), and an
 adapter costs only its A/B tensors (plus optimizer state while it trains).
 
@@ -12,7 +12,10 @@ Routing contract (the trainer and the sampler both rely on it):
 
 A key is a live adapter id, a snapshot id or None (the base model). Within one model call
 each LoRA layer serves all adapters, forward and backward:
-- one adapter for every row: plain `out + scale * B(A(x))`, no indexing at all;
+- one adapter for every row: plain `out + scale * B(A(x))`, no indexing at all; or, when
+  the rank is high for the layer's size and the call has many tokens, one matmul with the
+  merged weight `W + scale * B A` instead of the base matmul plus the low-rank product
+  (merge_is_cheaper states when, from FLOPs); differentiable in A and B like the product;
 - many tokens per row (training, prefill): the input is split into the contiguous rows of
   each adapter (permuted first when an adapter's rows are scattered), one matmul pair per
   adapter, the updates concatenated: linear in the batch size;
@@ -26,6 +29,7 @@ do not change adapter weights in place inside such a context.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,8 +95,38 @@ class _Route:
 
 
 # Few tokens per row (decoding): all adapters in one matmul pair (_concat_delta) beats a
-# matmul pair per adapter; with many tokens per row the extra FLOPs would not pay.
+# matmul pair per adapter; with many tokens per row the extra FLOPs would not pay. Such calls
+# also never merge (see merge_is_cheaper): decoding keeps the low-rank product.
 CONCAT_MAX_TOKENS = 8
+
+
+def merge_is_cheaper(
+    n_tokens: int, n_in: int, n_out: int, rank: int, grad_weights: bool, grad_input: bool
+) -> bool:
+    """Whether `x @ (W + s B A)^T` costs fewer FLOPs than `x W^T + s (x A^T) B^T`.
+
+    Multiply-adds of one layer call over N tokens, io = in*out, lo = rank*(in+out):
+    - forward: unmerged N*io + N*lo; merged r*io (B @ A) + N*io;
+    - input gradient: N*io both, plus N*lo for the product (dY B, then dH A);
+    - A/B gradients: the product needs dY B (if not already done), dY^T H and dH^T x; the
+      merged path needs dW = dY^T x (N*io) and then B^T dW, dW A^T (2 r*io).
+    Forward only this is N > io / (in+out): a token count, whatever the rank. Training (both
+    gradients) it is N * (3 lo - io) > 3 r io: for long batches rank*(in+out) > in*out / 3.
+    The merged weight kept for backward is one layer's size, less than the adapter's A, B,
+    their gradients and AdamW moments (4 lo) whenever training merges (3 lo > io).
+    """
+    io, lo = n_in * n_out, rank * (n_in + n_out)
+    unmerged = n_tokens * (io + lo)
+    merged = rank * io + n_tokens * io
+    if grad_input:
+        unmerged += n_tokens * (io + rank * n_in)
+        merged += n_tokens * io
+    if grad_input or grad_weights:
+        unmerged += n_tokens * rank * n_out
+    if grad_weights:
+        unmerged += n_tokens * lo
+        merged += n_tokens * io + 2 * rank * io
+    return merged < unmerged
 
 
 def classify_linear_modules(model: nn.Module) -> dict[str, str]:
@@ -125,14 +159,21 @@ def init_lora_a(A: torch.Tensor, generator: torch.Generator) -> None:
 class AdapterBank:
     """Adapters and snapshots of one base model, and the row routing of its LoRA layers."""
 
-    def __init__(self, model: nn.Module, param_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: nn.Module,
+        param_dtype: torch.dtype = torch.float32,
+        merge_when_cheaper: bool = True,
+    ):
         self.model = model
         self.param_dtype = param_dtype  # adapters train in fp32 even on a bf16 base
+        # False keeps every single-adapter call on the low-rank product (the reference path)
+        self.merge_when_cheaper = merge_when_cheaper
         self.modules: dict[str, nn.Module] = dict(model.named_modules())
         self.targets = classify_linear_modules(model)
         self.adapters: dict[str, Adapter] = {}
         self.snapshots: dict[str, Adapter] = {}
-        self._hooked: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._hooked: dict[str, nn.Linear] = {}  # paths whose forward is ours
         self._route: _Route | None = None
 
     # ---- adapters ----
@@ -269,12 +310,13 @@ class AdapterBank:
     def _hook(self, path: str) -> None:
         if path in self._hooked:
             return
+        module = self._linear(path)
+        base_forward = type(module).forward  # nn.Linear's (or a subclass's), unbound
 
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        def forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             route = self._route
             if route is None:
-                return None
-            x = args[0]  # (B, T, in)
+                return base_forward(module, x)
             if x.shape[0] != route.n_rows:
                 raise RuntimeError(
                     f"{path}: input has {x.shape[0]} rows but rows() routed {route.n_rows}"
@@ -282,21 +324,46 @@ class AdapterBank:
             if route.whole is not None:
                 pair = route.whole.layers.get(path)
                 if pair is None:
-                    return None
-                return (out + _delta(x, pair)).to(out.dtype)  # (B, T, out)
+                    return base_forward(module, x)
+                if self._merges(module, pair, x):
+                    return F.linear(x, _merged_weight(module, pair), module.bias)
+                out = base_forward(module, x)  # (B, T, out)
+                return (out + _delta(x, pair)).to(out.dtype)
             pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+            out = base_forward(module, x)  # (B, T, out)
             if all(p is None for p in pairs):
-                return None
+                return out
             if x.shape[1] <= CONCAT_MAX_TOKENS:
                 return (out + _concat_delta(x, pairs, route)).to(out.dtype)
             return (out + _segmented_delta(x, pairs, route)).to(out.dtype)
 
-        self._hooked[path] = self.modules[path].register_forward_hook(hook)
+        # An instance-level forward rather than a forward hook: a hook only runs after the base
+        # matmul, which the merged path must skip. Installed once per layer and reading the
+        # route on every call, it needs no swapping in rows() (nesting, exceptions); bound as
+        # a method so a deep copy of the model calls its own weights; remove_hooks deletes it
+        # and the class's forward shows through again.
+        module.forward = types.MethodType(forward, module)
+        self._hooked[path] = module
+
+    def _merges(self, module: nn.Linear, pair: LoraPair, x: torch.Tensor) -> bool:
+        if not self.merge_when_cheaper or x.shape[1] <= CONCAT_MAX_TOKENS:
+            return False
+        if not module.weight.is_floating_point():  # a quantized base cannot be merged into
+            return False
+        grad = torch.is_grad_enabled()
+        return merge_is_cheaper(
+            x.shape[:-1].numel(),
+            module.in_features,
+            module.out_features,
+            pair.A.shape[0],
+            grad_weights=grad and (pair.A.requires_grad or pair.B.requires_grad),
+            grad_input=grad and x.requires_grad,
+        )
 
     def remove_hooks(self) -> None:
         """Detach the bank from the model (the base then runs as plain transformers)."""
-        for handle in self._hooked.values():
-            handle.remove()
+        for module in self._hooked.values():
+            del module.forward
         self._hooked.clear()
 
     # ---- helpers ----
@@ -365,6 +432,18 @@ def _concat_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tensor:
         mask = route.cache[sig] = per_slot[route.slots][:, None, :]  # (B, 1, R)
     h = F.linear(x.to(a_cat.dtype), a_cat) * mask  # (B, T, R)
     return F.linear(h, b_cat)  # (B, T, out)
+
+
+def _merged_weight(module: nn.Linear, pair: LoraPair) -> torch.Tensor:
+    """W + scale * B @ A as a new tensor (W may be a tied embedding: never written), summed in
+    the adapter's dtype, then in the base's dtype for the one matmul. (out, in)
+
+    Not cached under no_grad like the stacked weights: the sampler opens one rows() context
+    per prefill, and decode steps never merge, so a cache would only hold a copy of every
+    targeted weight until the context ends.
+    """
+    W = module.weight  # (out, in)
+    return torch.addmm(W.to(pair.A.dtype), pair.B, pair.A, alpha=pair.scale).to(W.dtype)
 
 
 def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:

@@ -35,7 +35,7 @@ class DemoConfig:
     lora_alpha: float = 128.0
     sft_examples: int = 20_000
     corrupt_frac: float = 0.4
-    sft_steps: int = 600
+    sft_steps: int = 400
     sft_batch: int = 64
     sft_lr: float = 1e-3
     rl_steps: int = 40
@@ -163,7 +163,7 @@ def run_demo(
 
         rl_run = train_rl(rl, dataset, service=svc, on_step=print_row)
         svc.close()
-    plots = plot_run(rl_run.path)
+    plots = plot_run(rl_run.path, keys=["train/reward", "test/reward", "test/greedy_accuracy"])
     evals = [m for m in rl_run.metrics() if "test/reward" in m]
     summary = {
         "test_reward_before": evals[0]["test/reward"],

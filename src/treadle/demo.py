@@ -35,10 +35,10 @@ class DemoConfig:
     lora_alpha: float = 128.0
     sft_examples: int = 20_000
     corrupt_frac: float = 0.4
-    sft_steps: int = 400
+    sft_steps: int = 600
     sft_batch: int = 64
     sft_lr: float = 1e-3
-    rl_steps: int = 40
+    rl_steps: int = 30
     rl_questions: int = 32
     rl_group: int = 8
     rl_lr: float = 5e-5

@@ -10,27 +10,39 @@ submits forward_backward and optim_step together and waits for both each step, a
 loop does. Of --rounds rounds, the least disturbed one (smallest total) is reported.
 
 Goals: sft_ratio = in-process time / service time >= 0.9; overhead of a minimal call
-(service round trip minus the engine's own time for it) <= 5 ms over loopback.
+(service round trip minus the engine's own time for it) <= 5 ms over loopback. Also shown:
+a bare healthz round trip (the floor any call pays), and a batch the SDK splits into one
+chunk per row against the same batch sent whole (the server merges the chunks into one
+engine call, so the ratio should be near 1).
+The in-process engine runs with the OpenMP setting `treadle serve` uses (see
+treadle.server.main), so that both sides compute alike.
 Ends with one JSON line.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import statistics
-import tempfile
-import time
-from pathlib import Path
+import os
 
-import numpy as np
+from treadle.server.main import OPENMP_SPIN_COUNT
 
-from treadle import AdamParams, Datum, ModelInput, ServiceClient
-from treadle.engine.engine import Engine
-from treadle.engine.tiny import make_tiny_model
-from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
-from treadle.launch import ServerProcess
+if "OMP_WAIT_POLICY" not in os.environ:  # before torch loads; the server inherits it too
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from treadle import AdamParams, Datum, ModelInput, ServiceClient  # noqa: E402
+from treadle.engine.engine import Engine  # noqa: E402
+from treadle.engine.tiny import make_tiny_model  # noqa: E402
+from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum  # noqa: E402
+from treadle.launch import ServerProcess  # noqa: E402
 
 NAME = "bench/tiny-llama-small"
 
@@ -154,14 +166,39 @@ def minimal_calls(
             with t_s:
                 on_service()
         eng_ms[name], svc_ms[name] = t_e.median_ms(), t_s.median_ms()
-    t_info = Timer()
+    t_info, t_health = Timer(), Timer()
     for _ in range(n):
         with t_info:
             svc.transport.call(svc.transport.post("/api/v1/get_info", info))
-    svc_ms["get_info"] = t_info.median_ms()
+        with t_health:
+            svc.transport.call(svc.transport.get("/api/v1/healthz"))
+    svc_ms["get_info"], svc_ms["healthz"] = t_info.median_ms(), t_health.median_ms()
     engine.drop_adapter("tiny-call")
     tc.stop()
     return eng_ms, svc_ms
+
+
+def chunked_calls(svc: ServiceClient, spec: LoraSpec, tokens_BT: np.ndarray, n: int) -> float:
+    """Median time of a forward_backward the SDK sends as one chunk per row, over the same
+    batch sent whole (interleaved, two clients of one session)."""
+    data = sdk_batch(tokens_BT)
+    whole = svc.create_lora_training_client(NAME, rank=spec.rank, alpha=spec.alpha)
+    saved = dict(svc.client_config)
+    svc.client_config["fwdbwd_max_chunk_len"] = 1  # read when a training client is made
+    try:
+        chunked = svc.create_lora_training_client(NAME, rank=spec.rank, alpha=spec.alpha)
+    finally:
+        svc.client_config.clear()
+        svc.client_config.update(saved)
+    t_whole, t_chunked = Timer(), Timer()
+    whole.forward_backward(data).result(), chunked.forward_backward(data).result()  # warm-up
+    for _ in range(n):
+        with t_whole:
+            whole.forward_backward(data).result()
+        with t_chunked:
+            chunked.forward_backward(data).result()
+    whole.stop(), chunked.stop()
+    return t_chunked.median_ms() / t_whole.median_ms()
 
 
 def main() -> None:
@@ -191,6 +228,7 @@ def main() -> None:
                 service.append(round(t_svc, 3))
                 gc.collect()
             engine_ms, service_ms = minimal_calls(engine, svc, spec, args.calls)
+            chunked_ratio = chunked_calls(svc, spec, batches[0], max(3, args.calls // 3))
             svc.close()
 
     tokens = args.steps * args.batch * args.seq_len
@@ -208,7 +246,12 @@ def main() -> None:
     for k in engine_ms:
         print(f"  {k:10s} {service_ms[k]:8.2f} | {engine_ms[k]:8.2f} | {overhead[k]:8.2f}")
     print(f"  get_info   {service_ms['get_info']:8.2f} (direct call, no engine)")
+    print(f"  healthz    {service_ms['healthz']:8.2f} (bare HTTP round trip)")
     print("  goal: overhead <= 5 ms")
+    print(
+        f"forward_backward of {args.batch} rows sent as {args.batch} chunks / sent whole: "
+        f"{chunked_ratio:.2f}"
+    )
     result = {
         "bench": "service",
         "steps": args.steps,
@@ -220,6 +263,8 @@ def main() -> None:
         "overhead_forward1_ms": round(overhead["forward1"], 2),
         "overhead_optim_ms": round(overhead["optim"], 2),
         "get_info_ms": round(service_ms["get_info"], 2),
+        "healthz_ms": round(service_ms["healthz"], 2),
+        "chunked_over_whole": round(chunked_ratio, 3),
         "service_forward1_ms": round(service_ms["forward1"], 2),
         "engine_forward1_ms": round(engine_ms["forward1"], 2),
     }

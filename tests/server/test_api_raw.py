@@ -16,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
+from treadle.launch import ServerProcess
+
 tinker = pytest.importorskip("tinker")
 from tinker import types as T  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
@@ -25,6 +27,7 @@ from tinker.proto.response_conv import (  # noqa: E402
 )
 
 PROTO = "application/x-protobuf"
+TINY_MODEL_NAME = "treadle/tiny-llama"  # as tests/conftest.py serves it
 SECOND_MODEL = "second/tiny"
 
 
@@ -106,13 +109,13 @@ def logprobs(out) -> np.ndarray:
 @pytest.fixture(scope="module")
 def fast_server(tiny_model_dir, tmp_path_factory):
     """Short long polls (try_again after 1 s), a short heartbeat timeout, two models."""
-    from conftest import TINY_MODEL_NAME, launch_server
-
-    server = launch_server(
+    # not `from conftest import ...`: with tests/client collected too, that name is theirs
+    server = ServerProcess(
         {TINY_MODEL_NAME: tiny_model_dir, SECOND_MODEL: tiny_model_dir},
         tmp_path_factory.mktemp("fast"),
-        {"long_poll_s": 1.0, "heartbeat_timeout_s": 4.0},
-    )
+        config={"long_poll_s": 1.0, "heartbeat_timeout_s": 4.0},
+        startup_timeout_s=180,
+    ).start()
     yield server
     server.stop()
 
@@ -127,8 +130,12 @@ def test_out_of_order_requests_run_in_seq_order_and_resubmits_run_once(fast_serv
     r2 = raw.fwd(model, 2, data).json()["request_id"]
     assert raw.retrieve(r4).json()["type"] == "try_again"  # seq 1 is missing: all wait
     assert raw.retrieve(r2).json()["type"] == "try_again"
+    assert request_row(fast_server, r2)["status"] == "pending"  # on disk before the reply
     r1 = raw.fwd(model, 1, data, forward_only=True).json()["request_id"]
     lp1, lp2, lp4 = (logprobs(raw.fwd_result(r)) for r in (r1, r2, r4))
+    # a result the client has seen is on disk, and a second poll gets it again from there
+    assert request_row(fast_server, r4)["status"] == "done"
+    np.testing.assert_array_equal(logprobs(raw.fwd_result(r4)), lp4)
     np.testing.assert_allclose(lp2, lp1, atol=1e-6)  # nothing changed the weights before 2
     assert np.abs(lp4 - lp1).max() > 1e-3  # the optim_step (3) ran before 4
 

@@ -38,7 +38,44 @@ def test_a_gap_blocks_its_model_only():
     ]
 
 
-def test_one_op_per_model_per_round_in_seq_order():
+def chunk(kind: str, model: str, seq: int, loss: str = "cross_entropy", n_tokens: int = 2) -> Op:
+    datum = Datum(
+        model_input=list(range(n_tokens)), loss_fn_inputs={"target_tokens": [0] * n_tokens}
+    )
+    o = op(kind, model, seq)
+    o.payload = {"data": [datum], "loss_fn": loss, "loss_fn_config": {}}
+    return o
+
+
+def test_consecutive_chunks_of_one_model_share_its_engine_call_in_seq_order():
+    fb = "forward_backward"
+    queues = {
+        "a": queue(1, *(chunk(fb, "a", s) for s in (3, 1, 2)), op("optim_step", "a", 4)),
+        "b": queue(0, chunk(fb, "b", 0), chunk(fb, "b", 2)),  # seq 1 missing: a gap
+        "c": queue(0, chunk(fb, "c", 0), chunk(fb, "c", 1, loss="ppo")),
+        "d": queue(0, chunk(fb, "d", 0), chunk("forward", "d", 1)),
+    }
+    steps = plan_round(queues, [], 8)
+    assert len(steps) == 1 and steps[0].kind == "train" and not steps[0].forward_only
+    by_model: dict[str, list[int]] = {}
+    for o in steps[0].ops:
+        by_model.setdefault(o.model_id, []).append(o.seq_id)
+    # a: up to its optim_step barrier; b: up to its gap; c: not across a loss change;
+    # d: a forward never joins a forward_backward call
+    assert by_model == {"a": [1, 2, 3], "b": [0], "c": [0], "d": [0]}
+    # each model's ops stay together, so a one-by-one retry keeps their order
+    models = [o.model_id for o in steps[0].ops]
+    assert models == sorted(models, key=models.index)
+
+
+def test_merging_stops_at_the_token_cap_but_the_head_always_runs():
+    fb = "forward_backward"
+    queues = {"a": queue(0, *(chunk(fb, "a", s, n_tokens=40) for s in range(4)))}
+    assert [o.seq_id for o in plan_round(queues, [], 8, max_merge_tokens=100)[0].ops] == [0, 1]
+    assert [o.seq_id for o in plan_round(queues, [], 8, max_merge_tokens=10)[0].ops] == [0]
+
+
+def test_ops_without_a_train_payload_are_not_merged():
     queues = {"a": queue(0, op("forward_backward", "a", 0), op("forward_backward", "a", 1))}
     steps = plan_round(queues, [], 8)
     assert [o.seq_id for s in steps for o in s.ops] == [0]
@@ -96,9 +133,9 @@ class FakeEngine:
         return {}
 
 
-def train_op(model: str, seq: int) -> Op:
+def train_op(model: str, seq: int, loss_fn: str = "cross_entropy") -> Op:
     datum = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]})
-    payload = {"data": [datum], "loss_fn": "cross_entropy", "loss_fn_config": {}}
+    payload = {"data": [datum], "loss_fn": loss_fn, "loss_fn_config": {}}
     return Op(
         request_id=f"{model}:{seq}",
         kind="forward_backward",
@@ -132,20 +169,40 @@ def test_worker_waits_for_the_gap_then_runs_in_seq_order():
     from treadle.types import AdamParams
 
     engine = FakeEngine()
-    worker, collect = make_worker(engine, expect=3)
+    worker, collect = make_worker(engine, expect=4)
     worker.add_model("a")
     worker.start()
     try:
-        worker.submit(Op("a:2", "optim_step", "a", 2, AdamParams()))
-        worker.submit(train_op("a", 1))
+        worker.submit(Op("a:3", "optim_step", "a", 3, AdamParams()))
+        worker.submit(train_op("a", 2))
+        worker.submit(train_op("a", 1, loss_fn="ppo"))
         assert not collect.done.wait(0.3)  # seq 0 missing: nothing may run
         assert engine.calls == []
         worker.submit(train_op("a", 0))
         assert collect.done.wait(10)
     finally:
         worker.stop()
-    assert collect.order == ["a:0", "a:1", "a:2"]
-    assert engine.calls == [["a"], ["a"], ["optim:a"]]
+    assert collect.order == ["a:0", "a:1", "a:2", "a:3"]
+    assert engine.calls == [["a"], ["a"], ["a"], ["optim:a"]]  # a loss change: no merging
+
+
+def test_worker_runs_the_chunks_of_a_batch_as_one_engine_call():
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=4)
+    worker.add_model("a")
+    worker.start()
+    try:
+        # as the SDKs send a chunked batch: the first chunk last
+        for seq in (2, 3, 1):
+            worker.submit(train_op("a", seq))
+        assert not collect.done.wait(0.3)
+        worker.submit(train_op("a", 0))
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert engine.calls == [["a", "a", "a", "a"]]
+    assert collect.order == ["a:0", "a:1", "a:2", "a:3"]
+    assert all(collect.outcomes[f"a:{s}"]["status"] == "done" for s in range(4))
 
 
 def test_worker_batches_sessions_and_isolates_a_bad_request():

@@ -1,9 +1,10 @@
-"""Small server pieces alone: --model parsing, checkpoint names and atomic folders, and the
-notifier that ends a long poll."""
+"""Small server pieces alone: --model parsing, checkpoint names and atomic folders, the
+board that ends a long poll, and the journal that commits requests and results."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from treadle.errors import InvalidRequestError
 from treadle.server import artifacts
 from treadle.server.config import ServerConfig, parse_model_arg
-from treadle.server.notifier import FutureNotifier
+from treadle.server.notifier import FutureBoard
 
 
 def test_parse_model_arg(tmp_path):
@@ -65,28 +66,82 @@ def test_atomic_dir_never_leaves_a_half_checkpoint(tmp_path):
     assert [p.name for p in final.parent.iterdir()] == ["c"]  # no temp folders left
 
 
-def test_notifier_wakes_a_waiting_poll_from_another_thread():
-    async def scenario() -> tuple[bool, float]:
-        notifier = FutureNotifier(asyncio.get_running_loop())
-        done = {"r1": False}
+def test_board_hands_the_outcome_to_a_waiting_poll_from_another_thread():
+    async def scenario() -> tuple[dict | None, float]:
+        board = FutureBoard(asyncio.get_running_loop())
+        board.expect("r1", "forward")
+        outcome = {"request_id": "r1", "status": "done", "result": b"x"}
 
         def engine_thread():
             time.sleep(0.2)
-            done["r1"] = True
-            notifier.notify(["r1"])
+            board.resolve([outcome])
 
         threading.Thread(target=engine_thread).start()
         t0 = time.monotonic()
-        ok = await notifier.wait("r1", lambda: done["r1"], timeout=20)
-        return ok, time.monotonic() - t0
+        got = await board.wait(board.get("r1"), timeout=20)
+        return got, time.monotonic() - t0
 
-    ok, elapsed = asyncio.run(scenario())
-    assert ok and elapsed < 5
+    got, elapsed = asyncio.run(scenario())
+    assert got == {"request_id": "r1", "status": "done", "result": b"x"} and elapsed < 5
 
 
-def test_notifier_times_out_when_nothing_comes():
-    async def scenario() -> bool:
-        notifier = FutureNotifier(asyncio.get_running_loop())
-        return await notifier.wait("r2", lambda: False, timeout=0.1)
+def test_board_times_out_when_nothing_comes():
+    async def scenario() -> dict | None:
+        board = FutureBoard(asyncio.get_running_loop())
+        board.expect("r2", "forward")
+        return await board.wait(board.get("r2"), timeout=0.1)
 
-    assert asyncio.run(scenario()) is False
+    assert asyncio.run(scenario()) is None
+
+
+def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
+    async def scenario() -> None:
+        board = FutureBoard(asyncio.get_running_loop(), max_kept=2)
+        for rid in ("a", "b", "c", "d"):
+            board.expect(rid, "sample")
+        board._resolve([{"request_id": r, "status": "done", "result": b"1"} for r in "abc"])
+        assert board.get("a") is None  # evicted: the database serves it
+        assert board.get("b").outcome is not None and board.get("d").outcome is None
+        board.delivered("b")
+        assert board.get("b") is None
+        board.delivered("d")  # still pending: stays
+        assert board.get("d") is not None
+
+    asyncio.run(scenario())
+
+
+def test_journal_commits_a_batch_and_isolates_a_failing_write(tmp_path):
+    from sqlalchemy import create_engine, select
+
+    from treadle.server.db import REQUESTS, RequestRow, Store, insert_row
+    from treadle.server.journal import Journal
+
+    store = Store(f"sqlite:///{tmp_path / 't.db'}")
+    journal = Journal(store.engine)
+    reader = create_engine(f"sqlite:///{tmp_path / 't.db'}")
+    seen: dict[str, tuple] = {}
+
+    def row(rid: str, key: str) -> dict:
+        return {"request_id": rid, "kind": "forward", "dedup_key": key}
+
+    def done_for(rid: str):
+        def done(value, error):
+            with reader.connect() as conn:  # another connection: is it on disk already?
+                found = conn.execute(
+                    select(REQUESTS.c.request_id).where(REQUESTS.c.request_id == rid)
+                )
+                seen[rid] = (error, found.first() is not None)
+
+        return done
+
+    # queued before the thread starts: one batch, whose second write breaks the unique key
+    for rid, key in (("r1", "k1"), ("r2", "k1"), ("r3", "k3")):
+        write = functools.partial(insert_row, cls=RequestRow, values=row(rid, key))
+        journal.submit(write, done_for(rid))
+    journal.start()
+    journal.stop()
+    assert seen["r1"] == (None, True) and seen["r3"] == (None, True)
+    error, on_disk = seen["r2"]
+    assert error is not None and "UNIQUE" in str(error) and not on_disk
+    store.close()
+    reader.dispose()

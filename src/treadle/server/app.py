@@ -27,7 +27,8 @@ from treadle.errors import (
 )
 from treadle.server.config import ServerConfig
 from treadle.server.db import SessionRow, Store
-from treadle.server.notifier import FutureNotifier
+from treadle.server.journal import Journal
+from treadle.server.notifier import FutureBoard
 from treadle.server.routes import futures, sampling, session, training, treadle, weights
 from treadle.server.service import Service, SessionGoneError
 
@@ -63,21 +64,27 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         if failed:
             log.warning("marked %d unfinished requests of a previous run as failed", failed)
         _expire_sessions_of_previous_run(store)
-        service = Service(config, store, FutureNotifier(asyncio.get_running_loop()))
-        for name, path in config.models.items():
-            log.info("loading model %s from %s", name, path)
-            service.add_engine(name, await asyncio.to_thread(make_engine, name, path, config))
-        app.state.service = service
-        reaper = asyncio.create_task(_reap_idle_sessions(service))
+        journal = Journal(store.engine)
+        journal.start()
+        service = Service(config, store, journal, FutureBoard(asyncio.get_running_loop()))
         try:
-            yield
+            for name, path in config.models.items():
+                log.info("loading model %s from %s", name, path)
+                service.add_engine(name, await asyncio.to_thread(make_engine, name, path, config))
+            app.state.service = service
+            reaper = asyncio.create_task(_reap_idle_sessions(service))
+            try:
+                yield
+            finally:
+                reaper.cancel()
         finally:
-            reaper.cancel()
-            service.stop()
+            service.stop()  # the engine threads first: their last outcomes go to the journal
+            journal.stop()
             store.close()
 
     app = FastAPI(title="treadle", lifespan=lifespan)
-    for router_module in (session, training, futures, weights, sampling, treadle):
+    # Routes are matched in order, so the ones every call uses come first.
+    for router_module in (futures, training, sampling, session, weights, treadle):
         app.include_router(router_module.router)
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.

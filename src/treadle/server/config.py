@@ -42,6 +42,9 @@ class ServerConfig(BaseModel):
     """In-memory sampler snapshots kept per training model; older ones are freed."""
     max_sample_batch: int = 64
     """Sample requests handed to one engine.sample call at most."""
+    max_merge_tokens: int = 65536
+    """Consecutive forward/forward_backward requests of one model (the chunks of a big batch)
+    share one engine call up to this many tokens; the first always runs."""
     log_level: str = "info"
 
     @field_validator("models")

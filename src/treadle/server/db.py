@@ -1,9 +1,16 @@
-"""Database rows (SQLAlchemy 2) and the Store that reads and writes them.
+"""Database rows (SQLAlchemy 2), the Store that reads and writes them, and the Core
+statements of the hot path.
 
 The database is for durability, not signalling: the API and the engine loop wake each other
 through in-process events (treadle.server.notifier). SQLite under data_dir by default; any
-SQLAlchemy URL works. Every method opens its own short session, so the API thread and the
-engine threads can share one Store.
+SQLAlchemy URL works. Every Store method opens its own short session, so any thread may use
+it; the request rows of the hot path (a submit, a result) are written by the journal thread
+(treadle.server.journal) with the Core functions at the end of this file.
+
+Durability: SQLite runs in WAL mode with synchronous=NORMAL. A commit has reached the
+operating system before it returns, so it survives a crash of the server process (what
+"nothing acknowledged is lost" needs); only a power cut or kernel crash can lose the last
+commits before a checkpoint. FULL would add an fsync to every commit.
 """
 
 from __future__ import annotations
@@ -14,18 +21,20 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Connection,
     DateTime,
     Integer,
     LargeBinary,
     String,
     UniqueConstraint,
+    bindparam,
     create_engine,
     event,
     func,
+    insert,
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 
@@ -157,37 +166,6 @@ class Store:
         with self.session() as s:
             return int(s.scalar(select(func.count()).select_from(stmt.subquery())))
 
-    # ---- requests ----
-    def insert_request(self, row: RequestRow) -> tuple[RequestRow, bool]:
-        """Insert a future, or return the one already filed under its dedup key.
-
-        → (row, created).
-        """
-        if row.dedup_key is not None:
-            existing = self.query(select(RequestRow).where(RequestRow.dedup_key == row.dedup_key))
-            if existing:
-                return existing[0], False
-        try:
-            self.add(row)
-        except IntegrityError:
-            existing = self.query(select(RequestRow).where(RequestRow.dedup_key == row.dedup_key))
-            if not existing:
-                raise
-            return existing[0], False
-        return row, True
-
-    def finish_requests(self, outcomes: list[dict[str, Any]]) -> None:
-        """Write results in one transaction; each outcome holds request_id and the columns."""
-        now = utcnow()
-        with self.session.begin() as s:
-            for o in outcomes:
-                values = {k: v for k, v in o.items() if k != "request_id"}
-                s.execute(
-                    update(RequestRow)
-                    .where(RequestRow.request_id == o["request_id"])
-                    .values(finished_at=now, **values)
-                )
-
     def fail_unfinished(self, message: str) -> int:
         """At startup: futures left pending by a previous process can never complete."""
         with self.session.begin() as s:
@@ -201,6 +179,108 @@ class Store:
                 )
             )
             return int(result.rowcount or 0)
+
+
+# ---- the hot path, in Core: no ORM session, no identity map, one statement each ----
+
+REQUESTS = RequestRow.__table__
+# The columns an outcome sets; every outcome fills all of them so that one executemany
+# statement writes a whole round of results.
+OUTCOME_COLUMNS = (
+    "status",
+    "result",
+    "content_type",
+    "error",
+    "prompt_tokens",
+    "sampled_tokens",
+    "train_tokens",
+)
+_FINISH = (
+    update(REQUESTS)
+    .where(REQUESTS.c.request_id == bindparam("rid"))
+    .values({c: bindparam(c) for c in (*OUTCOME_COLUMNS, "finished_at")})
+)
+
+
+def insert_row(conn: Connection, cls: type[Base], values: dict[str, Any]) -> None:
+    """One INSERT of a row given as column values (column defaults apply)."""
+    conn.execute(insert(cls.__table__), values)
+
+
+def finish_requests(conn: Connection, outcomes: list[dict[str, Any]]) -> None:
+    """Write the outcomes (request_id plus columns) of finished requests."""
+    now = utcnow()
+    conn.execute(
+        _FINISH,
+        [
+            {
+                "rid": o["request_id"],
+                "status": o["status"],
+                "result": o.get("result"),
+                "content_type": o.get("content_type"),
+                "error": o.get("error"),
+                "prompt_tokens": o.get("prompt_tokens", 0),
+                "sampled_tokens": o.get("sampled_tokens", 0),
+                "train_tokens": o.get("train_tokens", 0),
+                "finished_at": now,
+            }
+            for o in outcomes
+        ],
+    )
+
+
+def request_id_of(conn: Connection, dedup_key: str) -> str | None:
+    """The request already filed under a dedup key, if any."""
+    stmt = select(REQUESTS.c.request_id).where(REQUESTS.c.dedup_key == dedup_key)
+    return conn.execute(stmt).scalar_one_or_none()
+
+
+def request_row(conn: Connection, request_id: str) -> dict[str, Any] | None:
+    """A request's columns as a dict (for futures this process no longer holds in memory)."""
+    row = conn.execute(select(REQUESTS).where(REQUESTS.c.request_id == request_id)).first()
+    return dict(row._mapping) if row is not None else None
+
+
+def insert_request(conn: Connection, values: dict[str, Any]) -> str:
+    """File a future; → its request_id."""
+    insert_row(conn, RequestRow, values)
+    return values["request_id"]
+
+
+def sampling_session_id_of(conn: Connection, key: tuple[str, int]) -> str | None:
+    """The sampling session already made for (session_id, sampling_session_seq_id)."""
+    table = SamplingSessionRow.__table__
+    stmt = select(table.c.sampling_session_id).where(
+        (table.c.session_id == key[0]) & (table.c.seq_id == key[1])
+    )
+    return conn.execute(stmt).scalar_one_or_none()
+
+
+def mark_session_ended(conn: Connection, session_id: str, status: str) -> tuple[list, list]:
+    """Mark a session and its models ended; → its (model_id, base_model) and its
+    (sampling_session_id, base_model, engine_ref)."""
+    sessions, models = SessionRow.__table__, ModelRow.__table__
+    samplers = SamplingSessionRow.__table__
+    conn.execute(
+        update(sessions)
+        .where(sessions.c.session_id == session_id)
+        .values(status=status, ended_at=utcnow())
+    )
+    mine = models.c.session_id == session_id
+    model_rows = conn.execute(select(models.c.model_id, models.c.base_model).where(mine)).all()
+    conn.execute(update(models).where(mine).values(status="unloaded"))
+    sampler_rows = conn.execute(
+        select(samplers.c.sampling_session_id, samplers.c.base_model, samplers.c.engine_ref).where(
+            samplers.c.session_id == session_id
+        )
+    ).all()
+    return [tuple(r) for r in model_rows], [tuple(r) for r in sampler_rows]
+
+
+def set_model_status(conn: Connection, model_id: str, status: str) -> None:
+    """active | unloaded."""
+    models = ModelRow.__table__
+    conn.execute(update(models).where(models.c.model_id == model_id).values(status=status))
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

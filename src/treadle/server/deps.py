@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from treadle.server.service import Service
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    # async: FastAPI runs a plain-def dependency on a worker thread, a hop per request
     return request.app.state.service
 
 

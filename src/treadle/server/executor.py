@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sqlalchemy import Connection, select, update
 
 from treadle.engine.types import (
     AdamSpec,
@@ -24,7 +26,8 @@ from treadle.engine.types import (
 )
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError, TreadleError
 from treadle.server import artifacts
-from treadle.server.db import CheckpointRow, SamplingSessionRow, Store, utcnow
+from treadle.server.db import CheckpointRow, SamplingSessionRow, Store, insert_row, utcnow
+from treadle.server.journal import Journal
 from treadle.server.scheduler import Deferred, Op
 from treadle.types import (
     ForwardBackwardOutput,
@@ -58,13 +61,30 @@ def train_tokens(op: Op) -> int:
 
 
 class OpExecutor:
-    def __init__(self, engine: Any, store: Store, artifacts_root: Path, max_snapshots: int = 8):
+    def __init__(
+        self,
+        engine: Any,
+        store: Store | None,
+        artifacts_root: Path | None,
+        max_snapshots: int = 8,
+        journal: Journal | None = None,
+    ):
         self.engine = engine
         self.store = store
+        self.journal = journal
         self.root = artifacts_root
         self.max_snapshots = max_snapshots
         self.snapshots: dict[str, deque[str]] = {}  # model_id → its live snapshot ids, oldest first
         self.live_refs: set[str] = set()  # engine ids a sampling session may use
+
+    def _write(self, write: Callable[[Connection], Any]) -> None:
+        """A row this op makes, committed before the op's outcome (which follows it through
+        the same journal), so a client never learns of a row that is not there."""
+        if self.journal is not None:
+            self.journal.call(write)
+        else:
+            with self.store.engine.begin() as conn:
+                write(conn)
 
     # ---- outcomes ----
     @staticmethod
@@ -227,31 +247,30 @@ class OpExecutor:
 
     def _record_checkpoint(self, op: Op, ckpt_type: str, final: Path, path: str) -> None:
         p = op.payload
-        existing = self.store.get(CheckpointRow, path)
-        row = CheckpointRow(
-            tinker_path=path,
-            run_id=p["run_id"],
-            model_id=op.model_id,
-            checkpoint_type=ckpt_type,
-            name=p["name"],
-            dir=str(final),
-            base_model=p["base_model"],
-            lora_config=p["lora_config"],
-            size_bytes=artifacts.dir_size(final),
-            user_metadata=p.get("user_metadata"),
-            created_at=utcnow(),
-        )
-        if existing is None:
-            self.store.add(row)
-        else:
-            self.store.set(
-                CheckpointRow,
-                path,
-                dir=row.dir,
-                size_bytes=row.size_bytes,
-                user_metadata=row.user_metadata,
-                created_at=row.created_at,
-            )
+        values = {
+            "tinker_path": path,
+            "run_id": p["run_id"],
+            "model_id": op.model_id,
+            "checkpoint_type": ckpt_type,
+            "name": p["name"],
+            "dir": str(final),
+            "base_model": p["base_model"],
+            "lora_config": p["lora_config"],
+            "size_bytes": artifacts.dir_size(final),
+            "user_metadata": p.get("user_metadata"),
+            "created_at": utcnow(),
+        }
+
+        def write(conn: Connection) -> None:
+            table = CheckpointRow.__table__
+            where = table.c.tinker_path == path
+            if conn.execute(select(table.c.tinker_path).where(where)).first() is None:
+                insert_row(conn, CheckpointRow, values)
+                return
+            changed = ("dir", "size_bytes", "user_metadata", "created_at")
+            conn.execute(update(table).where(where).values({k: values[k] for k in changed}))
+
+        self._write(write)
 
     def _do_snapshot(self, op: Op) -> dict[str, Any]:
         """save_weights_for_sampler without a name: a sampler served from memory at once."""
@@ -263,16 +282,15 @@ class OpExecutor:
         kept.append(snap)
         while len(kept) > self.max_snapshots:
             self.drop_ref(kept.popleft())
-        self.store.add(
-            SamplingSessionRow(
-                sampling_session_id=p["sampling_session_id"],
-                session_id=p["session_id"],
-                seq_id=p["sampling_session_seq_id"],
-                base_model=p["base_model"],
-                model_id=op.model_id,
-                engine_ref=snap,
-            )
-        )
+        values = {
+            "sampling_session_id": p["sampling_session_id"],
+            "session_id": p["session_id"],
+            "seq_id": p["sampling_session_seq_id"],
+            "base_model": p["base_model"],
+            "model_id": op.model_id,
+            "engine_ref": snap,
+        }
+        self._write(lambda conn: insert_row(conn, SamplingSessionRow, values))
         result = {"path": None, "sampling_session_id": p["sampling_session_id"]}
         return self.ok(op, {**result, "type": "save_weights_for_sampler"})
 

@@ -1,6 +1,7 @@
 """What each submitting endpoint does: validate at the edge, build the op, file the future.
 
-Each returns the submit reply (`UntypedAPIFuture` fields) for its route to send.
+Each returns the submit reply (`UntypedAPIFuture` fields) for its route to send. They run on
+the event loop: their checks read memory only, and filing a future awaits its commit.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _check_optimizer(cfg: Any, field: str) -> None:
         raise InvalidRequestError(f"{field}.type: only 'adamw' is supported, got {cfg.type!r}")
 
 
-def create_model(svc: Service, body: CreateModelRequest) -> dict[str, Any]:
+async def create_model(svc: Service, body: CreateModelRequest) -> dict[str, Any]:
     svc.require_session(body.session_id)
     base = svc.require_base_model(body.base_model)
     _check_optimizer(body.optimizer_config, "optimizer_config")
@@ -44,10 +45,10 @@ def create_model(svc: Service, body: CreateModelRequest) -> dict[str, Any]:
         raise InvalidRequestError(
             "lora_config: at least one of train_attn/mlp/unembed must be true"
         )
-    model_id = svc.new_model(
+    model_id = await svc.new_model(
         body.session_id, body.model_seq_id, base, lora.model_dump(), body.user_metadata
     )
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[base],
         "create",
         {"lora": lora},
@@ -58,17 +59,17 @@ def create_model(svc: Service, body: CreateModelRequest) -> dict[str, Any]:
     return _future(rid, model_id)
 
 
-def forward_backward(svc: Service, body: bytes) -> dict[str, Any]:
+async def forward_backward(svc: Service, body: bytes) -> dict[str, Any]:
     model_id, seq_id, data, loss_fn, config, forward_only = codec.decode_forward_backward_request(
         body
     )
     row = svc.require_model(model_id)
     vocab, max_len = svc.engine_facts(row.base_model)
-    with svc.skip_on_error(row, seq_id):
+    async with svc.skip_on_error(row, seq_id):
         numeric = check_train_request(data, loss_fn, config, vocab, max_len)
     payload = {"data": data, "loss_fn": loss_fn, "loss_fn_config": numeric}
     kind = "forward" if forward_only else "forward_backward"
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[row.base_model],
         kind,
         payload,
@@ -79,11 +80,11 @@ def forward_backward(svc: Service, body: bytes) -> dict[str, Any]:
     return _future(rid, model_id)
 
 
-def optim_step(svc: Service, body: OptimStepRequest) -> dict[str, Any]:
+async def optim_step(svc: Service, body: OptimStepRequest) -> dict[str, Any]:
     row = svc.require_model(body.model_id)
-    with svc.skip_on_error(row, body.seq_id):
+    async with svc.skip_on_error(row, body.seq_id):
         _check_adam(body)
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[row.base_model],
         "optim_step",
         body.adam_params,
@@ -116,12 +117,12 @@ def _ckpt_payload(row: Any, name: str, user_metadata: dict | None, **extra: Any)
     }
 
 
-def save_weights(svc: Service, body: SaveWeightsRequest) -> dict[str, Any]:
+async def save_weights(svc: Service, body: SaveWeightsRequest) -> dict[str, Any]:
     row = svc.require_model(body.model_id)
-    with svc.skip_on_error(row, body.seq_id):
+    async with svc.skip_on_error(row, body.seq_id):
         name = artifacts.check_name(body.path)
     payload = _ckpt_payload(row, name, body.user_metadata, overwrite=body.overwrite)
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[row.base_model],
         "save_state",
         payload,
@@ -132,11 +133,13 @@ def save_weights(svc: Service, body: SaveWeightsRequest) -> dict[str, Any]:
     return _future(rid, body.model_id)
 
 
-def save_weights_for_sampler(svc: Service, body: SaveWeightsForSamplerRequest) -> dict[str, Any]:
+async def save_weights_for_sampler(
+    svc: Service, body: SaveWeightsForSamplerRequest
+) -> dict[str, Any]:
     row = svc.require_model(body.model_id)
     worker = svc.workers[row.base_model]
     if body.path is not None:
-        with svc.skip_on_error(row, body.seq_id):
+        async with svc.skip_on_error(row, body.seq_id):
             name = artifacts.check_name(body.path)
         payload = _ckpt_payload(row, name, body.user_metadata)
         kind = "save_sampler"
@@ -152,16 +155,16 @@ def save_weights_for_sampler(svc: Service, body: SaveWeightsForSamplerRequest) -
             "base_model": row.base_model,
         }
         kind = "snapshot"
-    rid = svc.submit(
+    rid = await svc.submit(
         worker, kind, payload, session_id=row.session_id, model_id=body.model_id, seq_id=body.seq_id
     )
     return _future(rid, body.model_id)
 
 
-def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]:
+async def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]:
     """Legacy form (model_id + seq_id) loads into an existing model; create-via-load
     (session_id + model_seq_id) makes model "<session_id>:train:<model_seq_id>" from it."""
-    ckpt = svc.checkpoint(body.path)
+    ckpt = await svc.checkpoint(body.path)
     _check_optimizer(body.optimizer_config, "optimizer_config")
     if body.optimizer and ckpt.checkpoint_type != "training":
         raise InvalidRequestError(
@@ -183,7 +186,7 @@ def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]:
                 f"base_model: {body.base_model!r} does not match the checkpoint's {ckpt.base_model!r}"
             )
         base = svc.require_base_model(ckpt.base_model)
-        model_id = svc.new_model(
+        model_id = await svc.new_model(
             body.session_id, body.model_seq_id, base, ckpt.lora_config, body.user_metadata
         )
         session_id, seq_id = body.session_id, 0
@@ -203,18 +206,18 @@ def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]:
         raise InvalidRequestError(
             "load_weights: send model_id + seq_id or session_id + model_seq_id"
         )
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[base], "load", payload, session_id=session_id, model_id=model_id, seq_id=seq_id
     )
     return _future(rid, model_id)
 
 
-def asample(svc: Service, body: SampleRequest) -> dict[str, Any]:
+async def asample(svc: Service, body: SampleRequest) -> dict[str, Any]:
     if body.sampling_session_id is None:
         raise InvalidRequestError(
             "sampling_session_id: required (create one with create_sampling_session)"
         )
-    sampler = svc.sampler(body.sampling_session_id)
+    sampler = await svc.sampler(body.sampling_session_id)
     try:
         svc.require_session(sampler.session_id)
     except SessionGoneError as e:
@@ -229,7 +232,7 @@ def asample(svc: Service, body: SampleRequest) -> dict[str, Any]:
     vocab, max_len = svc.engine_facts(sampler.base_model)
     request = to_engine_sample_request(body, sampler.engine_ref, vocab, max_len)
     payload = {"request": request, "prompt_logprobs_last_n": body.prompt_logprobs_last_n}
-    rid = svc.submit(
+    rid = await svc.submit(
         svc.workers[sampler.base_model],
         "sample",
         payload,

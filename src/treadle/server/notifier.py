@@ -1,56 +1,106 @@
-"""In-process wake-ups between the engine threads and the API's event loop.
+"""The futures this process filed, and their outcomes the moment they are committed.
 
-An engine thread writes a result to the database, then calls `notify(request_id)`;
-a `retrieve_future` poll waiting on that id returns at once. No timer polls the database.
+A submit registers its request (`expect`) before the op can run. Once the journal has
+committed the op's outcome, `resolve` (any thread) hands the outcome itself to the event loop:
+a `retrieve_future` poll waiting on it returns at once, without reading back the row just
+written. No timer polls the database, and the database stays the record: an outcome leaves
+memory once delivered (a repeated poll reads the row), and the oldest undelivered ones leave
+when too many pile up.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+Outcome = dict[str, Any]  # request_id and RequestRow columns (status, result, error, ...)
+
+# Undelivered outcomes kept in memory (a client that never polls must not grow the server).
+MAX_KEPT = 4096
+MAX_KEPT_BYTES = 256 * 2**20
 
 
-class FutureNotifier:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+@dataclass
+class Filed:
+    """One future of this process: its kind, and its outcome once committed."""
+
+    kind: str
+    outcome: Outcome | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FutureBoard:
+    """Event-loop side; only `resolve` may be called from other threads."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        max_kept: int = MAX_KEPT,
+        max_kept_bytes: int = MAX_KEPT_BYTES,
+    ):
         self._loop = loop
-        self._events: dict[str, tuple[asyncio.Event, int]] = {}  # request_id → (event, waiters)
+        self._filed: dict[str, Filed] = {}
+        self._finished: OrderedDict[str, int] = OrderedDict()  # undelivered → result bytes
+        self._kept_bytes = 0
+        self.max_kept = max_kept
+        self.max_kept_bytes = max_kept_bytes
 
-    def notify(self, request_ids: list[str]) -> None:
-        """Thread-safe: wake every poll waiting on these ids."""
+    def expect(self, request_id: str, kind: str) -> None:
+        self._filed[request_id] = Filed(kind)
+
+    def forget(self, request_id: str) -> None:
+        self._filed.pop(request_id, None)
+        self._drop_finished(request_id)
+
+    def get(self, request_id: str) -> Filed | None:
+        return self._filed.get(request_id)
+
+    def resolve(self, outcomes: list[Outcome]) -> None:
+        """Thread-safe: the outcomes are committed; wake whoever waits on them."""
         if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._set, list(request_ids))
+            self._loop.call_soon_threadsafe(self._resolve, outcomes)
 
-    def _set(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            entry = self._events.get(rid)
-            if entry is not None:
-                entry[0].set()
+    def _resolve(self, outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            rid = outcome["request_id"]
+            entry = self._filed.get(rid)
+            if entry is None or entry.outcome is not None:
+                continue  # not ours (or already resolved): the database has it
+            entry.outcome = outcome
+            entry.ready.set()
+            size = len(outcome.get("result") or b"")
+            self._finished[rid] = size
+            self._kept_bytes += size
+        while self._finished and (
+            len(self._finished) > self.max_kept or self._kept_bytes > self.max_kept_bytes
+        ):
+            oldest = next(iter(self._finished))
+            self._filed.pop(oldest, None)
+            self._drop_finished(oldest)
 
-    async def wait(
-        self, request_id: str, is_done: Callable[[], Awaitable[bool] | bool], timeout: float
-    ) -> bool:
-        """Wait until `is_done()` holds or `timeout` passes; → whether it is done.
-
-        The event is registered before `is_done` is checked, so a result written between
-        the check and the wait still wakes us (its notify runs on this loop after us).
-        """
-        event, waiters = self._events.get(request_id, (asyncio.Event(), 0))
-        self._events[request_id] = (event, waiters + 1)
-        try:
-            done = is_done()
-            if isinstance(done, Awaitable):
-                done = await done
-            if done:
-                return True
+    async def wait(self, entry: Filed, timeout: float) -> Outcome | None:
+        """The outcome, or None if `timeout` passed first."""
+        if entry.outcome is None:
             try:
-                await asyncio.wait_for(event.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await entry.ready.wait()
             except TimeoutError:
-                pass
-            done = is_done()
-            return bool(await done if isinstance(done, Awaitable) else done)
-        finally:
-            event, waiters = self._events[request_id]
-            if waiters <= 1:
-                del self._events[request_id]
-            else:
-                self._events[request_id] = (event, waiters - 1)
+                return None
+        return entry.outcome
+
+    def delivered(self, request_id: str) -> None:
+        """The outcome went out: the database serves any later poll of it."""
+        entry = self._filed.get(request_id)
+        if entry is not None and entry.outcome is not None:
+            del self._filed[request_id]
+            self._drop_finished(request_id)
+
+    def _drop_finished(self, request_id: str) -> None:
+        size = self._finished.pop(request_id, None)
+        if size is not None:
+            self._kept_bytes -= size
+
+    def __len__(self) -> int:
+        return len(self._filed)

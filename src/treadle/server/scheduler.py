@@ -1,9 +1,9 @@
 """The engine loop: one thread per served base model, feeding its Engine in rounds.
 
 Each round, `plan_round` (the scheduling rule, a pure function) picks what may run now; the
-worker executes those steps through an OpExecutor, writes outcomes to the database and wakes
-the waiting polls. Requests reach the worker in memory (the database row is already written
-by the API); only the engine thread ever touches the Engine.
+worker executes those steps through an OpExecutor and hands the outcomes on (the journal
+commits them, then their polls get them from memory). Requests reach the worker in memory,
+right after their row is committed; only the engine thread ever touches the Engine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ log = logging.getLogger("treadle.scheduler")
 TRAIN_KINDS = ("forward_backward", "forward")
 # A deferred durable write waits at most this long for an idle moment before it runs anyway.
 DEFERRED_MAX_WAIT_S = 1.0
+# Consecutive train ops of one model merged into one engine call hold at most this many tokens.
+DEFAULT_MAX_MERGE_TOKENS = 65536
 
 
 @dataclass
@@ -49,7 +51,8 @@ class ModelQueue:
 
 @dataclass
 class Step:
-    """One engine call: a mixed-session train batch, one single op, or a sample batch."""
+    """One engine call: a mixed-session train batch (each model's ops consecutive, in seq_id
+    order), one single op, or a sample batch."""
 
     kind: Literal["train", "single", "sample"]
     ops: list[Op]
@@ -57,39 +60,71 @@ class Step:
 
 
 def plan_round(
-    queues: dict[str, ModelQueue], samples: list[Op], max_sample_batch: int
+    queues: dict[str, ModelQueue],
+    samples: list[Op],
+    max_sample_batch: int,
+    max_merge_tokens: int = DEFAULT_MAX_MERGE_TOKENS,
 ) -> list[Step]:
     """The scheduling rule: which ops run in this round, grouped into engine calls.
 
-    Invariant: the ops of one model run strictly in seq_id order. A model contributes at
-    most one op per round, and only the op whose seq_id equals its `next_seq`; a model
-    whose next op has not arrived yet (a gap) contributes nothing and waits. Any op that is
-    not forward/forward_backward (optim_step, saves, loads, create) is a barrier for its own
+    Invariant: the ops of one model run strictly in seq_id order. A model contributes only
+    from its head, the op whose seq_id equals its `next_seq`; a model whose next op has not
+    arrived yet (a gap) contributes nothing and waits. Any op that is not
+    forward/forward_backward (optim_step, saves, loads, create) is a barrier for its own
     model only: it runs alone as a "single" step while other models keep going.
-    Forward_backward heads of all models share ONE engine call, as do forward heads (the
+    A forward/forward_backward head takes along the consecutive ops after it that could
+    have run right after it unchanged (same kind, loss_fn and loss_fn_config; no gap, no
+    barrier; up to max_merge_tokens in all): the chunks the SDKs split a big batch into run
+    as one engine call, and since the weights cannot change between them, each gets exactly
+    what it would have got alone (gradients add up the same, up to float rounding).
+    Forward_backward runs of all models share ONE engine call, as do forward runs (the
     engine takes forward_only per call); all pending samples (up to max_sample_batch, oldest
     first) share one engine.sample call. Within a round: singles, then train, then sample.
     """
     singles: list[Step] = []
-    train: dict[bool, list[Op]] = {False: [], True: []}
+    train: dict[bool, list[list[Op]]] = {False: [], True: []}
     for queue in queues.values():
         head = queue.pending.get(queue.next_seq)
         if head is None:
             continue
         if head.kind in TRAIN_KINDS:
-            train[head.kind == "forward"].append(head)
+            train[head.kind == "forward"].append(_train_run(queue, head, max_merge_tokens))
         else:
             singles.append(Step("single", [head]))
     steps = singles
     for forward_only in (False, True):
         if train[forward_only]:
-            ops = sorted(train[forward_only], key=lambda op: op.enqueued_at)
-            steps.append(Step("train", ops, forward_only=forward_only))
+            runs = sorted(train[forward_only], key=lambda run: run[0].enqueued_at)
+            steps.append(Step("train", [op for run in runs for op in run], forward_only))
     if samples:
         steps.append(
             Step("sample", sorted(samples, key=lambda op: op.enqueued_at)[:max_sample_batch])
         )
     return steps
+
+
+def _train_run(queue: ModelQueue, head: Op, max_tokens: int) -> list[Op]:
+    """The head and the consecutive ops of its model that may share its engine call."""
+    run, tokens = [head], _tokens(head)
+    while (nxt := queue.pending.get(run[-1].seq_id + 1)) is not None and _same_call(head, nxt):
+        tokens += _tokens(nxt)
+        if tokens > max_tokens:
+            break
+        run.append(nxt)
+    return run
+
+
+def _same_call(head: Op, op: Op) -> bool:
+    if op.kind != head.kind or not isinstance(op.payload, dict):
+        return False
+    if not isinstance(head.payload, dict):
+        return False
+    return all(op.payload.get(k) == head.payload.get(k) for k in ("loss_fn", "loss_fn_config"))
+
+
+def _tokens(op: Op) -> int:
+    data = op.payload.get("data", ()) if isinstance(op.payload, dict) else ()
+    return sum(d.model_input.length for d in data)
 
 
 @dataclass
@@ -105,7 +140,9 @@ class EngineWorker:
     """Owns one Engine and the thread that calls it.
 
     `executor` turns steps into outcomes (dicts of RequestRow columns, or Deferred);
-    `finish(outcomes)` persists them and wakes the polls.
+    `finish(outcomes)` hands them on to be persisted and delivered (it must not block: the
+    next round waits for it). The thread sleeps on a condition until a submit, a call or a
+    deferred write wakes it: no timer.
     """
 
     def __init__(
@@ -114,11 +151,13 @@ class EngineWorker:
         executor: Any,
         finish: Callable[[list[dict[str, Any]]], None],
         max_sample_batch: int = 64,
+        max_merge_tokens: int = DEFAULT_MAX_MERGE_TOKENS,
     ):
         self.name = name
         self.executor = executor
         self._finish = finish
         self.max_sample_batch = max_sample_batch
+        self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
         self.samples: list[Op] = []
         self.deferred: deque[Deferred] = deque()
@@ -215,7 +254,9 @@ class EngineWorker:
             for fn, fut in calls:
                 self._run_call(fn, fut)
             with self._cond:
-                steps = plan_round(self.queues, self.samples, self.max_sample_batch)
+                steps = plan_round(
+                    self.queues, self.samples, self.max_sample_batch, self.max_merge_tokens
+                )
                 for step in steps:
                     if step.kind == "sample":
                         taken = {id(op) for op in step.ops}

@@ -2,6 +2,13 @@
 
 Routes stay thin: they parse a body, call one method here and return its value. Errors are
 treadle.errors exceptions, mapped to HTTP in one handler (treadle.server.app).
+
+The hot path writes the database once per request and once per result, both through the
+journal (treadle.server.journal), and reads it not at all: the sessions, models and samplers
+of this process are held in memory (their rows are written when they are made), a
+resubmission is recognised in memory, and a result reaches its poll from memory
+(treadle.server.notifier). The database remains the record: what is not in memory (a future
+of a previous run, one delivered already, an evicted key) is looked up there.
 """
 
 from __future__ import annotations
@@ -9,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
 from treadle.server import artifacts
@@ -27,15 +37,27 @@ from treadle.server.db import (
     SamplingSessionRow,
     SessionRow,
     Store,
+    finish_requests,
+    insert_request,
+    insert_row,
+    mark_session_ended,
     new_id,
+    request_id_of,
+    request_row,
+    sampling_session_id_of,
+    set_model_status,
     utcnow,
 )
-from treadle.server.executor import PROTO_TYPE, OpExecutor
-from treadle.server.notifier import FutureNotifier
+from treadle.server.executor import JSON_TYPE, PROTO_TYPE, OpExecutor
+from treadle.server.journal import Journal
+from treadle.server.notifier import FutureBoard, Outcome
 from treadle.server.scheduler import EngineWorker, Op
 from treadle.wire import codec
 
 log = logging.getLogger("treadle.service")
+
+# Dedup keys remembered in memory; an older key is still recognised, by the database.
+MAX_FILED_KEYS = 100_000
 
 
 class SessionGoneError(NotFoundError):
@@ -43,22 +65,37 @@ class SessionGoneError(NotFoundError):
 
 
 class Service:
-    def __init__(self, config: ServerConfig, store: Store, notifier: FutureNotifier):
+    def __init__(self, config: ServerConfig, store: Store, journal: Journal, board: FutureBoard):
         self.config = config
         self.store = store
-        self.notifier = notifier
+        self.journal = journal
+        self.board = board
         self.workers: dict[str, EngineWorker] = {}  # base model name → its engine worker
         self.executors: dict[str, OpExecutor] = {}
         self.engines: dict[str, Any] = {}
-        self.last_seen: dict[str, float] = {}  # session_id → monotonic time of last sign of life
-        self.pending: set[str] = set()  # request ids submitted by this process, not finished
+        self.last_seen: dict[str, float] = {}  # active session → monotonic time of last sign
+        self.ended: dict[str, str] = {}  # sessions this process ended → finished|expired
+        self.models: dict[str, ModelRow] = {}  # training models made by this process
+        self.samplers: dict[str, SamplingSessionRow] = {}  # rows read once (they never change)
+        # dedup key → request_id, or the commit still in flight for it
+        self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
 
     # ---- engines ----
     def add_engine(self, name: str, engine: Any) -> None:
         executor = OpExecutor(
-            engine, self.store, self.config.artifacts_dir, self.config.max_snapshots_per_model
+            engine,
+            self.store,
+            self.config.artifacts_dir,
+            self.config.max_snapshots_per_model,
+            journal=self.journal,
         )
-        worker = EngineWorker(name, executor, self._finish, self.config.max_sample_batch)
+        worker = EngineWorker(
+            name,
+            executor,
+            self._finish,
+            self.config.max_sample_batch,
+            max_merge_tokens=self.config.max_merge_tokens,
+        )
         self.engines[name], self.executors[name], self.workers[name] = engine, executor, worker
         worker.start()
 
@@ -66,12 +103,20 @@ class Service:
         for worker in self.workers.values():
             worker.stop()
 
-    def _finish(self, outcomes: list[dict[str, Any]]) -> None:
-        """Engine thread: persist outcomes, then wake their polls."""
-        self.store.finish_requests(outcomes)
-        ids = [o["request_id"] for o in outcomes]
-        self.pending.difference_update(ids)
-        self.notifier.notify(ids)
+    def _finish(self, outcomes: list[Outcome]) -> None:
+        """Any thread: hand outcomes to the journal; their polls get them once committed.
+        Never blocks, so the engine thread goes on with its next round."""
+
+        def done(_: Any, error: BaseException | None) -> None:
+            if error is None:
+                self.board.resolve(outcomes)
+                return
+            log.error("could not record %d results", len(outcomes), exc_info=error)
+            message = f"the server could not record this result: {type(error).__name__}: {error}"
+            failed = {"status": "failed", "error": {"error": message, "category": "server"}}
+            self.board.resolve([{"request_id": o["request_id"], **failed} for o in outcomes])
+
+        self.journal.submit(functools.partial(finish_requests, outcomes=outcomes), done)
 
     def engine_facts(self, base_model: str) -> tuple[int, int]:
         engine = self.engines[base_model]
@@ -85,50 +130,56 @@ class Service:
         return name
 
     # ---- sessions ----
-    def create_session(self, body: Any) -> str:
+    async def create_session(self, body: Any) -> str:
         session_id = new_id()
-        self.store.add(
-            SessionRow(
-                session_id=session_id,
-                tags=list(body.tags),
-                user_metadata=body.user_metadata,
-                display_name=body.display_name,
-                sdk_version=body.sdk_version,
-            )
-        )
+        values = {
+            "session_id": session_id,
+            "status": "active",
+            "tags": list(body.tags),
+            "user_metadata": body.user_metadata,
+            "display_name": body.display_name,
+            "sdk_version": body.sdk_version,
+            "created_at": utcnow(),
+        }
+        await self.journal.run(functools.partial(insert_row, cls=SessionRow, values=values))
         self.last_seen[session_id] = time.monotonic()
         return session_id
 
-    def require_session(self, session_id: str) -> SessionRow:
-        row = self.store.get(SessionRow, session_id)
-        if row is None:
-            raise NotFoundError(f"session_id {session_id!r} not found")
-        if row.status != "active":
-            raise SessionGoneError(
-                f"session {session_id!r} has {row.status}; its models were unloaded "
-                "(saved checkpoints remain): create a new session"
-            )
-        self.last_seen[session_id] = time.monotonic()
-        return row
+    def require_session(self, session_id: str) -> None:
+        """An active session of this process (and a sign of life from it), else 404/410."""
+        if session_id in self.last_seen:
+            self.last_seen[session_id] = time.monotonic()
+            return
+        status = self.ended.get(session_id)
+        if status is None:  # not one of ours: ended by a previous run, or no such session
+            row = self.store.get(SessionRow, session_id)
+            if row is None:
+                raise NotFoundError(f"session_id {session_id!r} not found")
+            status = row.status if row.status != "active" else "ended"
+        raise SessionGoneError(
+            f"session {session_id!r} has {status}; its models were unloaded "
+            "(saved checkpoints remain): create a new session"
+        )
 
     async def end_session(self, session_id: str, status: str) -> None:
         """Mark the session ended and free its adapters and samplers from engine memory."""
-        self.store.set(SessionRow, session_id, status=status, ended_at=utcnow())
         self.last_seen.pop(session_id, None)
-        reason = f"session {session_id!r} {status} before this request ran"
-        models = self.store.query(select(ModelRow).where(ModelRow.session_id == session_id))
-        samplers = self.store.query(
-            select(SamplingSessionRow).where(SamplingSessionRow.session_id == session_id)
+        self.ended[session_id] = status
+        models, samplers = await self.journal.run(
+            functools.partial(mark_session_ended, session_id=session_id, status=status)
         )
+        reason = f"session {session_id!r} {status} before this request ran"
         waits = []
-        for m in models:
-            if m.base_model in self.workers:
-                waits.append(self._on_engine(m.base_model, self._unload, m.model_id, reason))
-            self.store.set(ModelRow, m.model_id, status="unloaded")
-        for s in samplers:
-            if s.engine_ref and s.base_model in self.executors:
-                ex = self.executors[s.base_model]
-                waits.append(self._on_engine(s.base_model, ex.drop_ref, s.engine_ref))
+        for model_id, base_model in models:
+            if model_id in self.models:
+                self.models[model_id].status = "unloaded"
+            if base_model in self.workers:
+                waits.append(self._on_engine(base_model, self._unload, model_id, reason))
+        for sampling_session_id, base_model, engine_ref in samplers:
+            self.samplers.pop(sampling_session_id, None)
+            if engine_ref and base_model in self.executors:
+                ex = self.executors[base_model]
+                waits.append(self._on_engine(base_model, ex.drop_ref, engine_ref))
         for fut in waits:
             try:
                 await asyncio.wrap_future(fut)
@@ -140,7 +191,7 @@ class Service:
 
     def _unload(self, model_id: str, reason: str) -> None:
         """Engine thread: fail the model's queued ops, then free its adapter and snapshots."""
-        base = self.store.get(ModelRow, model_id).base_model
+        base = self._model_row(model_id).base_model
         self.workers[base].remove_model(model_id, reason)
         self.executors[base].drop_model(model_id)
 
@@ -155,8 +206,12 @@ class Service:
         return idle
 
     # ---- models ----
+    def _model_row(self, model_id: str) -> ModelRow | None:
+        row = self.models.get(model_id)
+        return row if row is not None else self.store.get(ModelRow, model_id)
+
     def require_model(self, model_id: str, field: str = "model_id") -> ModelRow:
-        row = self.store.get(ModelRow, model_id)
+        row = self._model_row(model_id)
         if row is None:
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.require_session(row.session_id)
@@ -169,17 +224,25 @@ class Service:
             )
         return row
 
-    def unload_model(self, model_id: str) -> str:
+    async def unload_model(self, model_id: str) -> str:
         """Free a model's adapter now (its checkpoints stay); → the future's request_id."""
         row = self.require_model(model_id)
         rid = new_id()
-        self.store.add(
-            RequestRow(request_id=rid, kind="unload", session_id=row.session_id, model_id=model_id)
-        )
-        self.pending.add(rid)
+        self.board.expect(rid, "unload")
+        values = {
+            "request_id": rid,
+            "kind": "unload",
+            "session_id": row.session_id,
+            "model_id": model_id,
+        }
+        await self.journal.run(functools.partial(insert_row, cls=RequestRow, values=values))
 
         def run() -> None:
-            self.store.set(ModelRow, model_id, status="unloaded")
+            row.status = "unloaded"
+            self.journal.submit(
+                functools.partial(set_model_status, model_id=model_id, status="unloaded"),
+                _log_error,
+            )
             self._unload(model_id, f"model {model_id!r} was unloaded before this request ran")
             result = {"model_id": model_id, "type": "unload_model"}
             self._finish([OpExecutor.ok(Op(rid, "unload", model_id), result)])
@@ -197,7 +260,7 @@ class Service:
             raise NotFoundError(f"training run {run_or_model_id!r} not found")
         return rows[0]
 
-    def new_model(
+    async def new_model(
         self,
         session_id: str,
         model_seq_id: int,
@@ -205,24 +268,35 @@ class Service:
         lora: dict,
         user_metadata: dict | None,
     ) -> str:
+        """The model "<session_id>:train:<model_seq_id>", made once (a resubmit finds it)."""
         model_id = f"{session_id}:train:{model_seq_id}"
-        if self.store.get(ModelRow, model_id) is None:
-            self.store.add(
-                ModelRow(
-                    model_id=model_id,
-                    run_id=new_id(),
-                    session_id=session_id,
-                    base_model=base_model,
-                    lora_config=lora,
-                    user_metadata=user_metadata,
-                )
-            )
+        if model_id in self.models:
+            return model_id
+        now = utcnow()
+        values = {
+            "model_id": model_id,
+            "run_id": new_id(),
+            "session_id": session_id,
+            "base_model": base_model,
+            "lora_config": lora,
+            "user_metadata": user_metadata,
+            "status": "active",
+            "created_at": now,
+            "last_request_time": now,
+        }
+        try:
+            await self.journal.run(functools.partial(insert_row, cls=ModelRow, values=values))
+        except IntegrityError:
+            if model_id not in self.models:  # made by an identical request meanwhile
+                raise
+        if model_id not in self.models:
+            self.models[model_id] = ModelRow(**values)
             self.workers[base_model].add_model(model_id)
         return model_id
 
     # ---- futures ----
-    @contextlib.contextmanager
-    def skip_on_error(self, row: ModelRow, seq_id: int | None) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def skip_on_error(self, row: ModelRow, seq_id: int | None) -> AsyncIterator[None]:
         """A training request refused at the edge still uses up its seq_id: the SDK has
         reserved it, and the model's later requests must not wait for it forever. A failed
         future is filed in its place (a resubmission finds it), then the 400 goes out."""
@@ -231,7 +305,7 @@ class Service:
         except InvalidRequestError as e:
             if seq_id is not None:
                 try:
-                    self.submit(
+                    await self.submit(
                         self.workers[row.base_model],
                         "skip",
                         str(e),
@@ -243,7 +317,7 @@ class Service:
                     pass  # the seq_id was taken already: nothing to fill
             raise
 
-    def submit(
+    async def submit(
         self,
         worker: EngineWorker,
         kind: str,
@@ -255,10 +329,15 @@ class Service:
         sampling_session_id: str | None = None,
     ) -> str:
         """File a future and queue its op; a resubmitted (model or sampler, seq_id) gets the
-        original request_id back and is not queued again."""
+        original request_id back and is not queued again.
+
+        One database write: the request row, committed by the journal before the reply
+        goes out; the journal thread hands the op to the engine thread right after the
+        commit (never before: a write that fails queues nothing).
+        """
         owner = model_id if sampling_session_id is None else sampling_session_id
-        dedup_key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
-        if (found := self._filed(dedup_key)) is not None:
+        key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
+        if key is not None and (found := await self._known(key)) is not None:
             return found
         if kind != "sample":
             if seq_id is None:
@@ -266,79 +345,114 @@ class Service:
             try:
                 worker.check_seq(model_id, seq_id)
             except InvalidRequestError:
-                # an identical request filed concurrently since our lookup is a resubmission
-                if (found := self._filed(dedup_key)) is not None:
+                # a seq_id that ran long ago: a resubmission whose key memory let go
+                if (found := await self._filed_in_db(key)) is not None:
                     return found
                 raise
-        row = RequestRow(
-            request_id=new_id(),
-            kind=kind,
-            session_id=session_id,
-            model_id=model_id,
-            sampling_session_id=sampling_session_id,
-            seq_id=seq_id,
-            dedup_key=dedup_key,
+        rid = new_id()
+        op = Op(rid, kind, model_id, seq_id, payload)
+        values = {
+            "request_id": rid,
+            "kind": kind,
+            "session_id": session_id,
+            "model_id": model_id,
+            "sampling_session_id": sampling_session_id,
+            "seq_id": seq_id,
+            "dedup_key": key,
+        }
+        self.board.expect(rid, kind)
+        committed = self.journal.run(
+            functools.partial(insert_request, values=values), then=lambda _: worker.submit(op)
         )
-        row, created = self.store.insert_request(row)
-        if created:
-            self.pending.add(row.request_id)
-            worker.submit(Op(row.request_id, kind, model_id, seq_id, payload))
-        return row.request_id
+        # bookkeeping in a callback, so that it happens even if this request is cancelled
+        committed.add_done_callback(functools.partial(self._settled, key, rid))
+        if key is not None:
+            self.filed[key] = committed
+        try:
+            return await asyncio.shield(committed)
+        except IntegrityError:
+            # filed before under this key, by a request whose key memory let go
+            if (found := await self._filed_in_db(key)) is not None:
+                return found
+            raise
 
-    def _filed(self, dedup_key: str | None) -> str | None:
-        if dedup_key is None:
+    def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:
+        if not committed.cancelled() and committed.exception() is None:
+            if key is not None:
+                self._remember(key, rid)
+            return
+        self.board.forget(rid)
+        if key is not None and self.filed.get(key) is committed:
+            del self.filed[key]
+
+    async def _known(self, key: str) -> str | None:
+        known = self.filed.get(key)
+        if known is None or isinstance(known, str):
+            return known
+        try:  # an identical request is being filed right now: its answer is ours
+            return await asyncio.shield(known)
+        except Exception:
+            return await self._filed_in_db(key)
+
+    def _remember(self, key: str, rid: str) -> None:
+        self.filed[key] = rid
+        self.filed.move_to_end(key)
+        while len(self.filed) > MAX_FILED_KEYS:
+            oldest, value = next(iter(self.filed.items()))
+            if not isinstance(value, str):
+                break  # never drop a commit in flight
+            del self.filed[oldest]
+
+    async def _filed_in_db(self, key: str | None) -> str | None:
+        if key is None:
             return None
-        rows = self.store.query(select(RequestRow).where(RequestRow.dedup_key == dedup_key))
-        return rows[0].request_id if rows else None
+        found = await self.journal.run(functools.partial(request_id_of, dedup_key=key))
+        if found is not None:
+            self._remember(key, found)
+        return found
 
     async def retrieve(self, request_id: str, want_proto: bool) -> tuple[bytes, str]:
         """Long-poll a future: → (body, content type) of its result, error or try_again."""
-        row = self.store.get(RequestRow, request_id)
+        filed = self.board.get(request_id)
+        if filed is not None:
+            outcome = await self.board.wait(filed, self.config.long_poll_s)
+            if outcome is None:
+                return _try_again(request_id)
+            self.board.delivered(request_id)
+            return _reply(request_id, filed.kind, outcome, want_proto)
+        # Not in memory: a future of a previous run, or one delivered already.
+        row = await self.journal.run(functools.partial(request_row, request_id=request_id))
         if row is None:
             raise NotFoundError(f"request_id {request_id!r} not found")
-        if row.status == "pending":
-            await self.notifier.wait(
-                request_id, lambda: request_id not in self.pending, self.config.long_poll_s
-            )
-            row = self.store.get(RequestRow, request_id)
-        if row.status == "pending":
-            body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-            return json.dumps(body).encode(), "application/json"
-        if row.status == "failed":
-            return json.dumps(row.error).encode(), "application/json"
-        if row.content_type == PROTO_TYPE and not want_proto:
-            return self._proto_as_json(row), "application/json"
-        return row.result, row.content_type
-
-    @staticmethod
-    def _proto_as_json(row: RequestRow) -> bytes:
-        if row.kind == "sample":
-            resp = codec.decode_sample_response(row.result)
-            for i, seq in enumerate(resp.sequences):
-                seq.sequence_id = sample_sequence_id(row.request_id, i)
-            return resp.model_dump_json().encode()
-        return codec.decode_forward_backward_output(row.result).model_dump_json().encode()
+        if row["status"] == "pending":
+            # Pending futures stay in memory until their outcome is committed; one pending on
+            # disk only was answered already, with the error that its result was not recorded.
+            error = {
+                "error": f"request {request_id!r}: its result was not recorded",
+                "category": "server",
+            }
+            return json.dumps(error).encode(), JSON_TYPE
+        return _reply(request_id, row["kind"], row, want_proto)
 
     # ---- samplers ----
-    def sampler(self, sampling_session_id: str) -> SamplingSessionRow:
-        row = self.store.get(SamplingSessionRow, sampling_session_id)
-        if row is None:
-            raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
+    async def sampler(self, sampling_session_id: str) -> SamplingSessionRow:
+        row = self.samplers.get(sampling_session_id)
+        if row is None:  # made by a snapshot on the engine thread, or by a previous run
+            row = await self._read(self.store.get, SamplingSessionRow, sampling_session_id)
+            if row is None:
+                raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
+            self.samplers[sampling_session_id] = row
         return row
 
     async def create_sampling_session(self, body: Any) -> str:
         self.require_session(body.session_id)
-        existing = self.store.query(
-            select(SamplingSessionRow).where(
-                (SamplingSessionRow.session_id == body.session_id)
-                & (SamplingSessionRow.seq_id == body.sampling_session_seq_id)
-            )
-        )
-        if existing:
-            return existing[0].sampling_session_id
+        key = (body.session_id, body.sampling_session_seq_id)
+        existing = await self.journal.run(functools.partial(sampling_session_id_of, key=key))
+        if existing is not None:
+            return existing
         sid = new_id()
         if body.model_path:
-            ckpt = self.checkpoint(body.model_path, "model_path")
+            ckpt = await self.checkpoint(body.model_path, "model_path")
             base = ckpt.base_model
             if body.base_model and body.base_model != base:
                 raise InvalidRequestError(
@@ -354,24 +468,60 @@ class Service:
             )
         else:
             base, ref = self.require_base_model(body.base_model), None
-        self.store.add(
-            SamplingSessionRow(
-                sampling_session_id=sid,
-                session_id=body.session_id,
-                seq_id=body.sampling_session_seq_id,
-                base_model=base,
-                model_path=body.model_path,
-                engine_ref=ref,
-            )
-        )
+        values = {
+            "sampling_session_id": sid,
+            "session_id": body.session_id,
+            "seq_id": body.sampling_session_seq_id,
+            "base_model": base,
+            "model_path": body.model_path,
+            "model_id": None,
+            "engine_ref": ref,
+            "created_at": utcnow(),
+        }
+        await self.journal.run(functools.partial(insert_row, cls=SamplingSessionRow, values=values))
+        self.samplers[sid] = SamplingSessionRow(**values)
         return sid
 
-    def checkpoint(self, path: str, field: str = "path") -> CheckpointRow:
+    async def checkpoint(self, path: str, field: str = "path") -> CheckpointRow:
         artifacts.parse_tinker_path(path, field)
-        row = self.store.get(CheckpointRow, path)
+        row = await self._read(self.store.get, CheckpointRow, path)
         if row is None:
             raise NotFoundError(f"{field}: checkpoint {path!r} not found")
         return row
+
+    @staticmethod
+    async def _read(fn: Callable[..., Any], *args: Any) -> Any:
+        """A read off the event loop (rare paths: the hot path reads nothing)."""
+        return await asyncio.to_thread(fn, *args)
+
+
+def _log_error(_: Any, error: BaseException | None) -> None:
+    if error is not None:
+        log.error("a database write failed", exc_info=error)
+
+
+def _try_again(request_id: str) -> tuple[bytes, str]:
+    body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    return json.dumps(body).encode(), JSON_TYPE
+
+
+def _reply(request_id: str, kind: str, outcome: Any, want_proto: bool) -> tuple[bytes, str]:
+    """The retrieve_future body of a finished future (an outcome dict or a row mapping)."""
+    if outcome["status"] == "failed":
+        return json.dumps(outcome["error"]).encode(), JSON_TYPE
+    result, content_type = outcome["result"], outcome["content_type"]
+    if content_type == PROTO_TYPE and not want_proto:
+        return _proto_as_json(request_id, kind, result), JSON_TYPE
+    return result, content_type
+
+
+def _proto_as_json(request_id: str, kind: str, result: bytes) -> bytes:
+    if kind == "sample":
+        resp = codec.decode_sample_response(result)
+        for i, seq in enumerate(resp.sequences):
+            seq.sequence_id = sample_sequence_id(request_id, i)
+        return resp.model_dump_json().encode()
+    return codec.decode_forward_backward_output(result).model_dump_json().encode()
 
 
 def sample_sequence_id(request_id: str, index: int) -> str:

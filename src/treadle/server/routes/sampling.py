@@ -29,13 +29,13 @@ async def create_sampling_session(
 
 
 @router.get("/samplers/{sampler_id}")
-def get_sampler(sampler_id: str, svc: ServiceDep) -> GetSamplerResponse:
-    row = svc.sampler(sampler_id)
+async def get_sampler(sampler_id: str, svc: ServiceDep) -> GetSamplerResponse:
+    row = await svc.sampler(sampler_id)
     return GetSamplerResponse(
         sampler_id=row.sampling_session_id, base_model=row.base_model, model_path=row.model_path
     )
 
 
 @router.post("/asample")
-def asample(body: SampleRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.asample(svc, body)
+async def asample(body: SampleRequest, svc: ServiceDep) -> dict[str, Any]:
+    return await handlers.asample(svc, body)

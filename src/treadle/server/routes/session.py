@@ -32,25 +32,25 @@ OptionalJson = Annotated[dict[str, Any] | None, Body()]
 
 
 @router.get("/healthz")
-def healthz() -> HealthResponse:
+async def healthz() -> HealthResponse:
     """Answered once every model is loaded (the lifespan loads them before serving)."""
     return HealthResponse()
 
 
 @router.post("/client/config")
-def client_config(body: OptionalJson = None) -> ClientConfigResponse:
+async def client_config(body: OptionalJson = None) -> ClientConfigResponse:
     return ClientConfigResponse()
 
 
 @router.post("/client/dynamic_config")
-def client_dynamic_config(
+async def client_dynamic_config(
     body: OptionalJson = None,
 ) -> ClientDynamicConfigResponse:
     return ClientDynamicConfigResponse()
 
 
 @router.get("/get_server_capabilities")
-def get_server_capabilities(svc: ServiceDep) -> GetServerCapabilitiesResponse:
+async def get_server_capabilities(svc: ServiceDep) -> GetServerCapabilitiesResponse:
     models = [
         SupportedModel(model_name=name, max_context_length=int(engine.max_seq_len))
         for name, engine in svc.engines.items()
@@ -59,12 +59,14 @@ def get_server_capabilities(svc: ServiceDep) -> GetServerCapabilitiesResponse:
 
 
 @router.post("/create_session")
-def create_session(body: CreateSessionRequest, svc: ServiceDep) -> CreateSessionResponse:
-    return CreateSessionResponse(session_id=svc.create_session(body))
+async def create_session(body: CreateSessionRequest, svc: ServiceDep) -> CreateSessionResponse:
+    return CreateSessionResponse(session_id=await svc.create_session(body))
 
 
 @router.post("/session_heartbeat")
-def session_heartbeat(body: SessionHeartbeatRequest, svc: ServiceDep) -> SessionHeartbeatResponse:
+async def session_heartbeat(
+    body: SessionHeartbeatRequest, svc: ServiceDep
+) -> SessionHeartbeatResponse:
     svc.require_session(body.session_id)
     return SessionHeartbeatResponse()
 
@@ -83,7 +85,7 @@ async def finish_session(
 
 
 @router.post("/telemetry")
-def telemetry(body: OptionalJson = None) -> TelemetryResponse:
+async def telemetry(body: OptionalJson = None) -> TelemetryResponse:
     return TelemetryResponse()
 
 

@@ -1,4 +1,8 @@
-"""Training models: create, info, forward/forward_backward (protobuf), optim_step."""
+"""Training models: create, info, forward/forward_backward (protobuf), optim_step.
+
+The routes of the hot path are async: they read memory only and await the journal's
+commit, so a call costs no hop to a worker thread.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/create_model")
-def create_model(body: CreateModelRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.create_model(svc, body)
+async def create_model(body: CreateModelRequest, svc: ServiceDep) -> dict[str, Any]:
+    return await handlers.create_model(svc, body)
 
 
 @router.post("/get_info")
-def get_info(body: GetInfoRequest, svc: ServiceDep) -> GetInfoResponse:
+async def get_info(body: GetInfoRequest, svc: ServiceDep) -> GetInfoResponse:
     row = svc.require_model(body.model_id)
     arch = getattr(getattr(svc.engines[row.base_model], "model", None), "config", None)
     return GetInfoResponse(
@@ -56,15 +60,15 @@ async def forward_backward(request: Request, svc: ServiceDep) -> dict[str, Any]:
             body = zstandard.ZstdDecompressor().decompress(body)
         except zstandard.ZstdError as e:
             raise InvalidRequestError(f"body: Content-Encoding zstd but not zstd data ({e})") from e
-    return handlers.forward_backward(svc, body)
+    return await handlers.forward_backward(svc, body)
 
 
 @router.post("/optim_step")
-def optim_step(body: OptimStepRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.optim_step(svc, body)
+async def optim_step(body: OptimStepRequest, svc: ServiceDep) -> dict[str, Any]:
+    return await handlers.optim_step(svc, body)
 
 
 @router.post("/unload_model")
-def unload_model(body: UnloadModelRequest, svc: ServiceDep) -> dict[str, Any]:
+async def unload_model(body: UnloadModelRequest, svc: ServiceDep) -> dict[str, Any]:
     """Free the model's adapter at once (the treadle SDK calls it when a client is done)."""
-    return {"request_id": svc.unload_model(body.model_id), "model_id": body.model_id}
+    return {"request_id": await svc.unload_model(body.model_id), "model_id": body.model_id}

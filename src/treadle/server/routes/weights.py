@@ -27,13 +27,15 @@ router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/save_weights")
-def save_weights(body: SaveWeightsRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.save_weights(svc, body)
+async def save_weights(body: SaveWeightsRequest, svc: ServiceDep) -> dict[str, Any]:
+    return await handlers.save_weights(svc, body)
 
 
 @router.post("/save_weights_for_sampler")
-def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.save_weights_for_sampler(svc, body)
+async def save_weights_for_sampler(
+    body: SaveWeightsForSamplerRequest, svc: ServiceDep
+) -> dict[str, Any]:
+    return await handlers.save_weights_for_sampler(svc, body)
 
 
 @router.post("/save_weights_external")
@@ -44,13 +46,13 @@ def save_weights_external(svc: ServiceDep) -> dict[str, Any]:
 
 
 @router.post("/load_weights")
-def load_weights(body: LoadWeightsRequest, svc: ServiceDep) -> dict[str, Any]:
-    return handlers.load_weights(svc, body)
+async def load_weights(body: LoadWeightsRequest, svc: ServiceDep) -> dict[str, Any]:
+    return await handlers.load_weights(svc, body)
 
 
 @router.post("/weights_info")
-def weights_info(body: WeightsInfoRequest, svc: ServiceDep) -> WeightsInfoResponse:
-    ckpt = svc.checkpoint(body.tinker_path, "tinker_path")
+async def weights_info(body: WeightsInfoRequest, svc: ServiceDep) -> WeightsInfoResponse:
+    ckpt = await svc.checkpoint(body.tinker_path, "tinker_path")
     lora = ckpt.lora_config
     return WeightsInfoResponse(
         base_model=ckpt.base_model,

@@ -62,7 +62,7 @@ def test_rl_loop_through_the_service(server_url):
     params = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=0)
     probe = tok.encode("12+34=46")
     probe_lps = []
-    sc = tc.save_weights_and_get_sampling_client()
+    sc = tc.create_sampling_client()  # the session's current weights, as in the loop
     for _step in range(3):
         # all sampling requests in flight before the first wait
         futs = [

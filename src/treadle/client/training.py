@@ -317,8 +317,11 @@ class TrainingClient:
             )
         return SamplingClient(self._transport, reply.sampling_session_id, self.base_model)
 
-    def create_sampling_client(self, model_path: str) -> SamplingClient:
-        """Sample from saved sampler weights."""
+    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
+        """Sample from saved sampler weights, or, with no path, from this session's weights
+        as they are now (an in-memory snapshot on the server)."""
+        if model_path is None:
+            return self.save_weights_and_get_sampling_client()
         return self._service.create_sampling_client(model_path=model_path)
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput
-from treadle.cookbook.run_dir import RunDir
+from treadle.cookbook.run_dir import RunDir, open_training_client
 from treadle.cookbook.sft import chat_tokens
 
 
@@ -169,19 +169,14 @@ def train_preference(
         raise ValueError(f"loss must be 'dpo' or 'kto', got {loss!r}")
     run = RunDir(config.run_dir, {**config.__dict__, "loss": loss}, mlflow_uri=config.mlflow_uri)
     svc = service or ServiceClient(base_url=config.base_url)
-    last = run.last_checkpoint()
+    tc, start, last = open_training_client(
+        svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
+    )
     if last:
-        run.truncate_metrics_after(last["step"] - 1)
-        tc = svc.create_training_client_from_state_with_optimizer(last["state_path"])
-        reference = svc.create_sampling_client(model_path=last["reference_path"])
-        reference_path, start = last["reference_path"], last["step"]
+        reference_path = last["reference_path"]
     else:
-        tc = svc.create_lora_training_client(
-            config.model, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed
-        )
         reference_path = tc.save_weights_for_sampler("reference").result().path
-        reference = svc.create_sampling_client(model_path=reference_path)
-        start = 0
+    reference = svc.create_sampling_client(model_path=reference_path)
     adam = AdamParams(learning_rate=config.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
     bar = tqdm(
         range(start, config.max_steps),

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
 from treadle.cookbook.rl_types import Env, EnvGroupBuilder, RLDataset, Trajectory, Transition
-from treadle.cookbook.run_dir import RunDir
+from treadle.cookbook.run_dir import RunDir, open_training_client
 
 
 @dataclass
@@ -207,7 +207,15 @@ def train_rl(
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
     svc = service or ServiceClient(base_url=config.base_url)
-    training_client, start_step = _open_training_client(svc, run, config)
+    training_client, start_step, _ = open_training_client(
+        svc,
+        run,
+        config.model,
+        config.lora_rank,
+        config.lora_alpha,
+        config.seed,
+        config.load_checkpoint_path,
+    )
     dataset = make_dataset(training_client.get_tokenizer())
     sampling_client = training_client.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
@@ -271,19 +279,3 @@ def _final_eval(sampling_client, dataset: RLDataset, config: RLConfig) -> dict[s
     if not (config.eval_every and dataset.test_groups()):
         return {}
     return evaluate(sampling_client, dataset.test_groups(), config, config.seed)
-
-
-def _open_training_client(svc, run: RunDir, config: RLConfig):
-    """Resume from the run's last checkpoint, or start fresh (optionally from given weights)."""
-    last = run.last_checkpoint()
-    if last is not None:
-        run.truncate_metrics_after(last["step"] - 1)
-        return svc.create_training_client_from_state_with_optimizer(last["state_path"]), last[
-            "step"
-        ]
-    if config.load_checkpoint_path:
-        return svc.create_training_client_from_state(config.load_checkpoint_path), 0
-    client = svc.create_lora_training_client(
-        config.model, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed
-    )
-    return client, 0

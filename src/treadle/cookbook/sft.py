@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput
-from treadle.cookbook.run_dir import RunDir
+from treadle.cookbook.run_dir import RunDir, open_training_client
 
 Example = tuple[list[int], list[float]]  # (tokens_T, weights_T): weight 1 where trained
 
@@ -148,27 +148,16 @@ def train_sft(
     train: Sequence[Example],
     test: Sequence[Example] = (),
     service=None,
-    training_client=None,
 ) -> tuple[RunDir, object]:
     """Run (or resume) SFT; returns the run folder and the training client (to go on with RL)."""
     from treadle import ServiceClient
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
     sequences = pack_examples(train, config.max_length) if config.pack else list(train)
-    start = 0
-    if training_client is None:
-        svc = service or ServiceClient(base_url=config.base_url)
-        last = run.last_checkpoint()
-        if last is not None:
-            run.truncate_metrics_after(last["step"] - 1)
-            training_client = svc.create_training_client_from_state_with_optimizer(
-                last["state_path"]
-            )
-            start = last["step"]
-        else:
-            training_client = svc.create_lora_training_client(
-                config.model, rank=config.lora_rank, alpha=config.lora_alpha, seed=config.seed
-            )
+    svc = service or ServiceClient(base_url=config.base_url)
+    training_client, start, _ = open_training_client(
+        svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
+    )
     bar = tqdm(
         range(start, config.max_steps),
         desc="sft",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from treadle.arithmetic import final_number, problem, strict_reward, worked_answer
 from treadle.cookbook.rl_types import Env, EnvGroupBuilder, RLDataset, StepResult
+from treadle.cookbook.run_dir import step_rng
 from treadle.cookbook.sft import chat_tokens
 
 INSTRUCTION = " Show your working, then give the final answer after ####."
@@ -88,7 +89,7 @@ class MathDataset(RLDataset):
         ]
 
     def get_batch(self, step: int) -> list[EnvGroupBuilder]:
-        rng = random.Random(self.seed * 1_000_003 + step)
+        rng = step_rng(self.seed, step)
         return [self._builder(p) for p in rng.sample(self.train, self.batch_size)]
 
     def test_groups(self) -> list[EnvGroupBuilder]:

@@ -13,16 +13,14 @@ KTO (labels):   λ_D·(1 − σ(β·(r − z0))) for desirable, λ_U·(1 − σ(
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput
-from treadle.cookbook.run_dir import RunDir, open_training_client
+from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar, step_rng
 from treadle.cookbook.sft import chat_tokens
 
 
@@ -178,16 +176,10 @@ def train_preference(
         reference_path = tc.save_weights_for_sampler("reference").result().path
     reference = svc.create_sampling_client(model_path=reference_path)
     adam = AdamParams(learning_rate=config.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
-    bar = tqdm(
-        range(start, config.max_steps),
-        desc=loss,
-        initial=start,
-        total=config.max_steps,
-        dynamic_ncols=True,
-    )
+    bar = step_bar(loss, start, config.max_steps)
     for step in bar:
         t0 = time.monotonic()
-        batch = random.Random(config.seed * 1_000_003 + step).sample(
+        batch = step_rng(config.seed, step).sample(
             list(examples), min(config.batch_size, len(examples))
         )
         if loss == "dpo":

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
 from treadle.cookbook.rl_types import Env, EnvGroupBuilder, RLDataset, Trajectory, Transition
-from treadle.cookbook.run_dir import RunDir, open_training_client
+from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar
 
 
 @dataclass
@@ -226,13 +225,7 @@ def train_rl(
         eps=1e-8,
         grad_clip_norm=config.grad_clip_norm,
     )
-    bar = tqdm(
-        range(start_step, config.max_steps),
-        desc="rl",
-        initial=start_step,
-        total=config.max_steps,
-        dynamic_ncols=True,
-    )
+    bar = step_bar("rl", start_step, config.max_steps)
     for step in bar:
         metrics: dict[str, float] = {}
         if config.eval_every and step % config.eval_every == 0 and dataset.test_groups():

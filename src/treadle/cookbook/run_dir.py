@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from treadle.errors import InvalidRequestError
 
@@ -67,6 +70,16 @@ class RunDir:
         """Drop metric lines of steps after `step`: they are repeated after a resume."""
         kept = [m for m in self.metrics() if m["step"] <= step]
         (self.path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+
+
+def step_bar(desc: str, start: int, total: int) -> tqdm:
+    """The steps still to run, as a progress bar that shows the resumed ones as done."""
+    return tqdm(range(start, total), desc=desc, initial=start, total=total, dynamic_ncols=True)
+
+
+def step_rng(seed: int, step: int) -> random.Random:
+    """The data of a step depends only on (seed, step), so a resumed run sees the same data."""
+    return random.Random(seed * 1_000_003 + step)
 
 
 def open_training_client(

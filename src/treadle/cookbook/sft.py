@@ -8,16 +8,14 @@ is a per-token mean and the learning rate does not depend on the batch size.
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput
-from treadle.cookbook.run_dir import RunDir, open_training_client
+from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar, step_rng
 
 Example = tuple[list[int], list[float]]  # (tokens_T, weights_T): weight 1 where trained
 
@@ -158,15 +156,9 @@ def train_sft(
     training_client, start, _ = open_training_client(
         svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
     )
-    bar = tqdm(
-        range(start, config.max_steps),
-        desc="sft",
-        initial=start,
-        total=config.max_steps,
-        dynamic_ncols=True,
-    )
+    bar = step_bar("sft", start, config.max_steps)
     for step in bar:
-        rng = random.Random(config.seed * 1_000_003 + step)
+        rng = step_rng(config.seed, step)
         batch = make_batch(rng.sample(sequences, min(config.batch_size, len(sequences))))
         lr = learning_rate_at(config, step)
         t0 = time.monotonic()

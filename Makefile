@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv demo test lint proto bench clean
+.PHONY: venv demo test compat lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q
 
+# tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
+compat: venv
+	$(PY) -m pytest -q tests/compat
+
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
@@ -33,4 +37,4 @@ bench: venv
 	$(PY) bench/service.py
 
 clean:
-	rm -rf $(VENV) treadle-data .pytest_cache
+	rm -rf $(VENV) .venv-compat treadle-data .pytest_cache

@@ -2,6 +2,7 @@
 
 treadle serve --model treadle/tiny-llama=.models/tiny-llama --port 8000
 treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
+treadle hf-cache --model treadle/tiny-llama=.models/tiny-llama
 treadle demo
 treadle plot runs/demo
 """
@@ -48,6 +49,16 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(model_dir=args.model_dir, run_dir=args.run_dir, seed=args.seed, port=args.port)
 
 
+def _hf_cache(args: argparse.Namespace) -> None:
+    from treadle.hf_cache import place_models
+    from treadle.server.config import parse_model_arg
+
+    if not args.model:
+        sys.exit("treadle hf-cache: give at least one --model NAME=PATH")
+    for path in place_models(dict(parse_model_arg(m) for m in args.model), args.cache_dir):
+        print(f"wrote {path}")
+
+
 def _plot(args: argparse.Namespace) -> None:
     from treadle.cookbook.plot import plot_run
 
@@ -88,9 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.set_defaults(func=_demo)
 
+    p = sub.add_parser(
+        "hf-cache",
+        help="put served models' tokenizers in a local Hugging Face cache under their names",
+    )
+    p.add_argument("--model", action="append", default=[], help="NAME=PATH (repeatable)")
+    p.add_argument("--cache-dir", help="default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache")
+    p.set_defaults(func=_hf_cache)
+
     p = sub.add_parser("plot", help="write PNG plots of a run folder's metrics.jsonl")
     p.add_argument("run_dir")
     p.set_defaults(func=_plot)
+
+    from treadle.admin_cli import add_parsers as add_admin_parsers
+
+    add_admin_parsers(sub)  # treadle admin ... | treadle usage
+
+    from treadle.checkpoints_cli import add_parser as add_checkpoints_parser
+
+    add_checkpoints_parser(sub)  # treadle checkpoints list|show|download|delete|retain
     return parser
 
 

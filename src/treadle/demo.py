@@ -38,11 +38,14 @@ class DemoConfig:
     sft_steps: int = 600
     sft_batch: int = 64
     sft_lr: float = 1e-3
-    rl_steps: int = 30
+    rl_steps: int = 40
     rl_questions: int = 32
     rl_group: int = 8
     rl_lr: float = 5e-5
     rl_loss: str = "ppo"
+    # RL goes on in the SFT session's optimizer: Adam's second moments from SFT damp the
+    # first, noisy RL updates (a fresh Adam takes full-size sign-like steps at once).
+    rl_keep_adam: bool = True
     eval_every: int = 10
     eval_problems: int = 300
     eval_samples: int = 4
@@ -82,6 +85,81 @@ def print_row(step: int, m: dict) -> None:
     )
 
 
+def sft_warmup(svc, base_url: str, cfg: DemoConfig, run_path: Path) -> str:
+    """The SFT warm-up through the SDK; returns the path of its saved training state."""
+    tokenizer = svc.get_tokenizer(MODEL_NAME)
+    sft = SFTConfig(
+        model=MODEL_NAME,
+        run_dir=str(run_path / "sft"),
+        base_url=base_url,
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        learning_rate=cfg.sft_lr,
+        batch_size=cfg.sft_batch,
+        max_length=128,
+        pack=False,
+        max_steps=cfg.sft_steps,
+        eval_every=0,
+        save_every=cfg.sft_steps,
+        seed=cfg.seed,
+    )
+    sft_run, _ = train_sft(sft, sft_examples(tokenizer, cfg), service=svc)
+    return sft_run.last_checkpoint()["state_path"]
+
+
+def grpo(svc, base_url: str, cfg: DemoConfig, run_path: Path, sft_state: str):
+    """GRPO from the SFT weights with a strict verifier; returns the run folder."""
+    rl = RLConfig(
+        model=MODEL_NAME,
+        run_dir=str(run_path / "rl"),
+        base_url=base_url,
+        learning_rate=cfg.rl_lr,
+        group_size=cfg.rl_group,
+        max_tokens=cfg.max_tokens,
+        loss_fn=cfg.rl_loss,
+        max_steps=cfg.rl_steps,
+        eval_every=cfg.eval_every,
+        eval_samples=cfg.eval_samples,
+        save_every=0,
+        seed=cfg.seed,
+        load_checkpoint_path=sft_state,
+        load_optimizer=cfg.rl_keep_adam,
+    )
+
+    def dataset(tok) -> MathDataset:
+        test = held_out(cfg)
+        test_questions = {p.question for p in test}
+        train = [
+            p
+            for p in arithmetic_problems(5000, seed=cfg.seed + 2)
+            if p.question not in test_questions
+        ]
+        return MathDataset(
+            train=train,
+            test=test,
+            prompter=Prompter(tok, "raw"),
+            batch_size=cfg.rl_questions,
+            strict=True,
+            seed=cfg.seed,
+        )
+
+    print(
+        f"{'step':>5} {'train reward':>12} {'test reward':>12} {'greedy acc':>12} "
+        f"{'tokens':>8} {'seconds':>7}"
+    )
+    return train_rl(rl, dataset, service=svc, on_step=print_row)
+
+
+def summarize(rl_run) -> dict[str, float]:
+    evals = [m for m in rl_run.metrics() if "test/reward" in m]
+    return {
+        "test_reward_before": evals[0]["test/reward"],
+        "test_reward_after": evals[-1]["test/reward"],
+        "greedy_accuracy_before": evals[0]["test/greedy_accuracy"],
+        "greedy_accuracy_after": evals[-1]["test/greedy_accuracy"],
+    }
+
+
 def run_demo(
     model_dir: str = ".models/tiny-llama",
     run_dir: str = "runs/demo",
@@ -102,77 +180,15 @@ def run_demo(
     with ServerProcess({MODEL_NAME: model_dir}, run_path / "server", port=port) as server:
         print(f"server up at {server.url}")
         svc = ServiceClient(base_url=server.url)
-        tokenizer = svc.get_tokenizer(MODEL_NAME)
-
         print(f"SFT warm-up: {cfg.sft_steps} steps, {cfg.corrupt_frac:.0%} imperfect demos")
-        sft = SFTConfig(
-            model=MODEL_NAME,
-            run_dir=str(run_path / "sft"),
-            base_url=server.url,
-            lora_rank=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
-            learning_rate=cfg.sft_lr,
-            batch_size=cfg.sft_batch,
-            max_length=128,
-            pack=False,
-            max_steps=cfg.sft_steps,
-            eval_every=0,
-            save_every=cfg.sft_steps,
-            seed=cfg.seed,
-        )
-        sft_run, _ = train_sft(sft, sft_examples(tokenizer, cfg), service=svc)
-        sft_state = sft_run.last_checkpoint()["state_path"]
-
+        sft_state = sft_warmup(svc, server.url, cfg, run_path)
         print("GRPO with a strict verifier")
-        print(
-            f"{'step':>5} {'train reward':>12} {'test reward':>12} {'greedy acc':>12} "
-            f"{'tokens':>8} {'seconds':>7}"
-        )
-        rl = RLConfig(
-            model=MODEL_NAME,
-            run_dir=str(run_path / "rl"),
-            base_url=server.url,
-            learning_rate=cfg.rl_lr,
-            group_size=cfg.rl_group,
-            max_tokens=cfg.max_tokens,
-            loss_fn=cfg.rl_loss,
-            max_steps=cfg.rl_steps,
-            eval_every=cfg.eval_every,
-            eval_samples=cfg.eval_samples,
-            save_every=0,
-            seed=cfg.seed,
-            load_checkpoint_path=sft_state,
-        )
-
-        def dataset(tok) -> MathDataset:
-            test = held_out(cfg)
-            test_questions = {p.question for p in test}
-            train = [
-                p
-                for p in arithmetic_problems(5000, seed=cfg.seed + 2)
-                if p.question not in test_questions
-            ]
-            return MathDataset(
-                train=train,
-                test=test,
-                prompter=Prompter(tok, "raw"),
-                batch_size=cfg.rl_questions,
-                strict=True,
-                seed=cfg.seed,
-            )
-
-        rl_run = train_rl(rl, dataset, service=svc, on_step=print_row)
+        rl_run = grpo(svc, server.url, cfg, run_path, sft_state)
         svc.close()
     plots = plot_run(rl_run.path, keys=["train/reward", "test/reward", "test/greedy_accuracy"])
-    evals = [m for m in rl_run.metrics() if "test/reward" in m]
-    summary = {
-        "test_reward_before": evals[0]["test/reward"],
-        "test_reward_after": evals[-1]["test/reward"],
-        "greedy_accuracy_before": evals[0]["test/greedy_accuracy"],
-        "greedy_accuracy_after": evals[-1]["test/greedy_accuracy"],
-    }
+    summary = summarize(rl_run)
     print(
-        f"held-out reward (T={rl.temperature}): {summary['test_reward_before']:.3f} -> "
+        f"held-out reward (T=1): {summary['test_reward_before']:.3f} -> "
         f"{summary['test_reward_after']:.3f}; greedy accuracy: "
         f"{summary['greedy_accuracy_before']:.3f} -> {summary['greedy_accuracy_after']:.3f}"
     )

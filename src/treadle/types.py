@@ -196,6 +196,8 @@ class SampledSequence(_Wire):
     tokens: list[int]
     logprobs: list[float] | None = None
     sequence_id: str | None = None
+    # per sampled token: its top-K (token_id, logprob), with topk_sample_logprobs=K
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class SampleResponse(_Wire):
@@ -203,6 +205,10 @@ class SampleResponse(_Wire):
     prompt_logprobs: list[float | None] | None = None
     # per prompt position: a list of (token_id, logprob), or None for the first position
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # (len(prompt) - 1, K) float32: logprobs of the requested target_prompt_logprobs ids
+    target_prompt_logprobs: TensorData | None = None
+    # prompt_alt_tokens_k draws per prompt position: ids int64 and logprobs float32, (P-1, K)
+    prompt_alt_tokens: tuple[TensorData, TensorData] | None = None
     type: Literal["sample"] = "sample"
 
 

@@ -25,10 +25,6 @@ UNSUPPORTED = {
     "record_stability_info",
     "kind",  # snapshots only; no "inflight" sampling clients
     "loss_type_input",  # deprecated in tinker itself
-    "topk_sample_logprobs",
-    "target_prompt_logprobs",
-    "prompt_alt_tokens_k",
-    "prompt_logprobs_last_n",
 }
 
 METHODS = {

@@ -3,8 +3,15 @@
 import numpy as np
 import pytest
 
-from treadle.cookbook.rl import build_datums, group_advantages, trajectory_to_datum
-from treadle.cookbook.rl_types import Trajectory, Transition
+from treadle import SamplingParams
+from treadle.cookbook.rl import (
+    build_datums,
+    group_advantages,
+    request_seed,
+    rollout_groups,
+    trajectory_to_datum,
+)
+from treadle.cookbook.rl_types import Env, StepResult, Trajectory, Transition
 
 
 def test_group_advantages_mean_only():
@@ -58,3 +65,48 @@ def test_build_datums_drops_constant_groups_and_scales_by_tokens():
     # kept: 4 action tokens in all; advantages +0.5 / -0.5, scaled by 1/4
     assert datums[0].loss_fn_inputs["advantages"].tolist() == [0.125, 0.125]
     assert datums[1].loss_fn_inputs["advantages"].tolist() == [-0.125, -0.125]
+
+
+class _RecordingSampler:
+    """Records the sampling params of each request; answers with empty sequences."""
+
+    def __init__(self):
+        self.seeds: list[int | None] = []
+
+    def sample(self, prompt, num_samples, sampling_params):
+        from concurrent.futures import Future
+
+        from treadle import SampledSequence, SampleResponse
+
+        self.seeds.append(sampling_params.seed)
+        future = Future()
+        seqs = [SampledSequence(stop_reason="stop", tokens=[], logprobs=[])] * num_samples
+        future.set_result(SampleResponse(sequences=seqs))
+        return future
+
+
+class _OneTurn(Env):
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+    def initial_observation(self):
+        return self.prompt
+
+    def step(self, action_tokens):
+        return StepResult(reward=0.0, done=True)
+
+
+def test_seeded_rollouts_give_every_problem_its_own_seed():
+    # One seed for all requests would give every problem the same random draws (correlated
+    # errors); each group (and each turn) must get a seed of its own, the same on every run.
+    builders = [lambda g, i=i: [_OneTurn([1, 2, i]) for _ in range(g)] for i in range(20)]
+    runs = []
+    for _ in range(2):
+        sampler = _RecordingSampler()
+        rollout_groups(sampler, builders, 4, SamplingParams(max_tokens=4, seed=7))
+        runs.append(sampler.seeds)
+    assert len(set(runs[0])) == 20 and runs[0] == runs[1]
+    assert request_seed(7, 0, [1, 2]) != request_seed(7, 0, [1, 2, 3])  # a later turn differs
+    unseeded = _RecordingSampler()
+    rollout_groups(unseeded, builders, 4, SamplingParams(max_tokens=4))
+    assert unseeded.seeds == [None] * 20

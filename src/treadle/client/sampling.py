@@ -20,7 +20,13 @@ from treadle.client.errors import GoneError
 from treadle.client.futures import APIFuture
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.transport import Transport
-from treadle.types import ModelInput, SampleResponse, SamplingParams, as_model_input
+from treadle.types import (
+    ModelInput,
+    SampleResponse,
+    SamplingParams,
+    as_model_input,
+    to_tensor_data,
+)
 from treadle.wire import codec
 from treadle.wire import requests as rq
 
@@ -68,10 +74,25 @@ class SamplingClient:
         sampling_params: SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Any = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
-        """`num_samples` continuations of `prompt` (token ids or a ModelInput)."""
+        """`num_samples` continuations of `prompt` (token ids or a ModelInput).
+
+        include_prompt_logprobs / topk_prompt_logprobs=K: each prompt token's logprob / the top
+        K at each prompt position (only the last `prompt_logprobs_last_n` when set);
+        topk_sample_logprobs=K: the top K at each sampled position; target_prompt_logprobs:
+        (len(prompt) - 1, K) token ids (TensorData, numpy or torch; -1 = none) whose logprobs
+        to return, row i at prompt position i + 1; prompt_alt_tokens_k=K: K draws at the
+        sampling temperature from each prompt position's next-token distribution.
+        """
         if num_samples < 1:
             raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
+        target = None
+        if target_prompt_logprobs is not None:
+            target = to_tensor_data("target_tokens", target_prompt_logprobs).model_dump()
         body = rq.SampleRequest(
             num_samples=num_samples,
             prompt=as_model_input(prompt),
@@ -79,6 +100,10 @@ class SamplingClient:
             sampling_session_id=self.sampling_session_id,
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
         ).model_dump(mode="json", exclude_none=True)
         body["seq_id"] = self._next_seq_id()
         return APIFuture(self._transport.submit(self._sample(body)))
@@ -109,9 +134,17 @@ class SamplingClient:
             return resp
         raise AssertionError("unreachable")
 
-    def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
-        """log p(token_i | tokens_<i) for every prompt token; the first is None."""
-        fut = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+    def compute_logprobs(
+        self, prompt: ModelInput | Sequence[int], prompt_logprobs_last_n: int | None = None
+    ) -> APIFuture[list[float | None]]:
+        """log p(token_i | tokens_<i) for every prompt token (or the last N); the rest None."""
+        fut = self.sample(
+            prompt,
+            1,
+            SamplingParams(max_tokens=1),
+            include_prompt_logprobs=True,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
         return fut.map(lambda r: list(r.prompt_logprobs or []))
 
     def get_base_model(self) -> str:

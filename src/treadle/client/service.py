@@ -17,8 +17,11 @@ import logging
 import os
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
+from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.errors import APIError, GoneError, NotFoundError
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import load_tokenizer
@@ -30,6 +33,7 @@ from treadle.wire import requests as rq
 log = logging.getLogger("treadle.client")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+ENCRYPTION_HEADER = "X-Treadle-Encryption-Key"
 HEARTBEAT_S = 10.0
 
 _open_clients: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
@@ -52,7 +56,15 @@ class ServiceClient:
         display_name: str | None = None,
         retry: RetryPolicy | None = None,
         timeout_s: float = 120.0,
+        model_package_group: str | None = None,
+        output_path: str | None = None,
+        encryption_key: str | None = None,
     ):
+        """`model_package_group` / `output_path`: defaults for the training clients made
+        here (their saves become versions of that group, stored under output_path: an
+        s3://bucket/prefix or a server folder). `encryption_key`: a 32-byte AES key (base64
+        or hex; see treadle.server.encryption.new_key) sent with every request, never stored
+        by the server: versions are stored encrypted with it and read back only with it."""
         base_url = (
             base_url
             or os.environ.get("TREADLE_BASE_URL")
@@ -83,6 +95,11 @@ class ServiceClient:
         self._sampling_seq_id = 0
         self._training_clients: set[TrainingClient] = set()
         self._closed = False
+        self.model_package_group = model_package_group
+        self.output_path = output_path
+        if encryption_key:
+            self.transport._client.headers[ENCRYPTION_HEADER] = encryption_key
+        self.checkpoints = CheckpointsClient(self.transport)
         _open_clients.add(self)
 
     # ---- session ---------------------------------------------------------------------
@@ -190,6 +207,13 @@ class ServiceClient:
         """The base model's tokenizer, fetched from the server (never from a hub)."""
         return load_tokenizer(self.transport, base_model)
 
+    def get_usage(self, since: str | None = None, by: str | None = None) -> dict[str, Any]:
+        """This key's tenant's metered tokens (prefill / sample / train) and their cost:
+        totals, or rows `by` "session", "day" or "model"; `since` a date or ISO time (UTC)."""
+        params = {k: v for k, v in (("since", since), ("by", by)) if v is not None}
+        path = "/api/v1/treadle/usage" + (f"?{urlencode(params)}" if params else "")
+        return self.transport.call(self.transport.get(path))
+
     # ---- training clients ----------------------------------------------------------------
 
     def create_lora_training_client(
@@ -204,8 +228,13 @@ class ServiceClient:
         *,
         alpha: float | None = None,
         training_session_name: str | None = None,
+        model_package_group: str | None = None,
+        output_path: str | None = None,
     ) -> TrainingClient:
-        """A new LoRA adapter on `base_model`; `alpha` defaults to 32 on the server."""
+        """A new LoRA adapter on `base_model`; `alpha` defaults to 32 on the server.
+
+        With a `model_package_group` (default: the ServiceClient's), every save of this
+        client registers a version of that group, stored under `output_path`."""
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         if training_session_name is not None:
@@ -227,6 +256,8 @@ class ServiceClient:
                 train_unembed=train_unembed,
                 alpha=alpha,
             ),
+            model_package_group=model_package_group or self.model_package_group,
+            output_path=output_path or self.output_path,
         )
         reply = self._run_future("/api/v1/create_model", body, "CreateModel")
         return self._attach(str(reply["model_id"]))
@@ -236,18 +267,37 @@ class ServiceClient:
         path: str,
         base_model: str | None = None,
         user_metadata: dict[str, str] | None = None,
+        *,
+        model_package_group: str | None = None,
+        output_path: str | None = None,
     ) -> TrainingClient:
-        """A new training client with the weights of a `save_state` checkpoint, fresh Adam."""
-        return self._create_via_load(path, base_model, user_metadata, optimizer=False)
+        """A new training client with the weights of a checkpoint, fresh Adam.
+
+        `path`: a tinker:// checkpoint, a version `GROUP:N` / `GROUP:latest` (of any
+        group: import from another group), or a local PEFT adapter folder (imported first
+        as a version of model_package_group, or of "imports")."""
+        if not path.startswith("tinker://") and Path(path).is_dir():
+            group = model_package_group or self.model_package_group or "imports"
+            path = self.checkpoints.import_adapter(path, group, base_model=base_model).ref
+        return self._create_via_load(
+            path, base_model, user_metadata, False, model_package_group, output_path
+        )
 
     def create_training_client_from_state_with_optimizer(
         self,
         path: str,
         base_model: str | None = None,
         user_metadata: dict[str, str] | None = None,
+        *,
+        model_package_group: str | None = None,
+        output_path: str | None = None,
     ) -> TrainingClient:
-        """As create_training_client_from_state, plus the checkpoint's Adam state."""
-        return self._create_via_load(path, base_model, user_metadata, optimizer=True)
+        """As create_training_client_from_state, plus the checkpoint's Adam state; `path`
+        is a tinker://.../weights/... checkpoint or a state version (`GROUP:latest` is the
+        group's newest state)."""
+        return self._create_via_load(
+            path, base_model, user_metadata, True, model_package_group, output_path
+        )
 
     def _create_via_load(
         self,
@@ -255,6 +305,8 @@ class ServiceClient:
         base_model: str | None,
         user_metadata: dict[str, str] | None,
         optimizer: bool,
+        model_package_group: str | None = None,
+        output_path: str | None = None,
     ) -> TrainingClient:
         session_id, model_seq_id = self._next_model_seq_id()
         body = rq.LoadWeightsRequest(
@@ -264,6 +316,8 @@ class ServiceClient:
             user_metadata=user_metadata,
             path=path,
             optimizer=optimizer,
+            model_package_group=model_package_group or self.model_package_group,
+            output_path=output_path or self.output_path,
         )
         self._run_future("/api/v1/load_weights", body, "LoadWeights")
         # The protocol fixes the id of a model created by loading.
@@ -292,9 +346,11 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
-        """Sample from saved sampler weights (`tinker://.../sampler_weights/...`) or a base."""
+        """Sample from saved sampler weights (`tinker://.../sampler_weights/...`, or a
+        model package version `GROUP:N` / `GROUP:latest`) or a base."""
         if model_path is None and base_model is None:
             raise ValueError("create_sampling_client: give model_path or base_model")
+        # a version reference is resolved (fetched, decrypted) by the server
         session_id, seq = self.next_sampling_seq_id()
         body = rq.CreateSamplingSessionRequest(
             session_id=session_id,
@@ -313,6 +369,12 @@ class ServiceClient:
             )
         except NotFoundError:
             pass
+
+
+def _is_version_ref(path: str) -> bool:
+    """`GROUP:N` / `GROUP:latest` (not a tinker:// path, not a folder)."""
+    group, sep, version = path.partition(":")
+    return bool(sep and group) and "/" not in path and (version == "latest" or version.isdigit())
 
 
 @atexit.register

@@ -281,8 +281,13 @@ class TrainingClient:
         name: str,
         ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
+        *,
+        merge_weights: bool = False,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """A durable PEFT adapter → `.path` = tinker://<run>/sampler_weights/<name>."""
+        """A durable PEFT adapter → `.path` = tinker://<run>/sampler_weights/<name>.
+
+        `merge_weights=True` also publishes a merged, deployable HF model folder as a
+        version of the client's model package group (needs one)."""
         return self._json_op(
             "/api/v1/save_weights_for_sampler",
             "SaveWeightsForSampler",
@@ -292,6 +297,7 @@ class TrainingClient:
                 seq_id=seq,
                 ttl_seconds=ttl_seconds,
                 user_metadata=user_metadata,
+                merge_weights=merge_weights,
             ),
             SaveWeightsForSamplerResponse.model_validate,
         )

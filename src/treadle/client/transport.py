@@ -35,7 +35,9 @@ POLL_TIMEOUT_S = 45.0
 
 @dataclass
 class RetryPolicy:
-    """Backoff for transient failures: connection errors, 408, 429 and 5xx.
+    """Backoff for transient failures: connection errors, 408, 429 and 5xx. A quota's 429
+    (requests per minute, a session or adapter slot) is retried after its Retry-After, so a
+    loop's calls are delayed, never lost.
 
     Retrying stops once `deadline_s` has passed since the call started (or since the server
     last made progress, for long-polls); the last error is raised then.
@@ -54,6 +56,15 @@ class RetryPolicy:
 
 def is_transient(status_code: int) -> bool:
     return status_code in (408, 429) or status_code >= 500
+
+
+def should_retry(resp: httpx.Response) -> bool:
+    """A transient status, unless the server says asking again cannot help (a 429 for a
+    quota that time does not clear, such as the LoRA rank, says `x-should-retry: false`);
+    a 429 of a rate quota carries Retry-After, which the backoff honours."""
+    if resp.headers.get("x-should-retry") == "false":
+        return False
+    return is_transient(resp.status_code)
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -175,7 +186,7 @@ class Transport:
                 continue
             if resp.status_code < 400:
                 return resp
-            if retry and is_transient(resp.status_code):
+            if retry and should_retry(resp):
                 if time.monotonic() - start <= deadline:
                     log.info("%s %s: HTTP %d, retrying", method, path, resp.status_code)
                     await asyncio.sleep(self.retry.backoff(attempt, _retry_after(resp)))
@@ -235,7 +246,7 @@ class Transport:
                         str(reply["error"]), request_id, str(reply.get("category", "unknown"))
                     )
                 return reply
-            if is_transient(status) and time.monotonic() - last_progress <= self.retry.deadline_s:
+            if should_retry(resp) and time.monotonic() - last_progress <= self.retry.deadline_s:
                 await asyncio.sleep(self.retry.backoff(attempt, _retry_after(resp)))
                 attempt += 1
                 continue

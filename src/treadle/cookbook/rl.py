@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,9 @@ class RLConfig:
     eval_samples: int = 4
     save_every: int = 10
     seed: int = 0
-    load_checkpoint_path: str | None = None  # start from these weights (a fresh optimizer)
+    load_checkpoint_path: str | None = None  # start from these weights
+    # ... and carry on its Adam moments too, as if the session went on (e.g. SFT then RL)
+    load_optimizer: bool = False
     mlflow_uri: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -113,13 +116,25 @@ def build_datums(
 # ---- rollouts -----------------------------------------------------------------------------
 
 
+class _Inline:
+    map = staticmethod(map)
+
+
+_INLINE = _Inline()
+
+
 def rollout_groups(
-    sampling_client, builders: list[EnvGroupBuilder], group_size: int, params: SamplingParams
+    sampling_client,
+    builders: list[EnvGroupBuilder],
+    group_size: int,
+    params: SamplingParams,
+    step_pool: Executor | None = None,
 ) -> list[list[Trajectory]]:
     """Play every env of every group to the end; all samples of a turn are in flight at once.
 
     A group whose envs share one prompt is sampled as one request with num_samples=G, so the
-    server prefills that prompt once."""
+    server prefills that prompt once. With `step_pool`, the envs of a request score their
+    answers in parallel on it (for slow graders, e.g. a code sandbox)."""
     envs_G = [list(build(group_size)) for build in builders]
     transitions = {(g, i): [] for g, envs in enumerate(envs_G) for i in range(len(envs))}
     observations = {k: envs_G[k[0]][k[1]].initial_observation() for k in transitions}
@@ -128,9 +143,11 @@ def rollout_groups(
         futures = _submit_turn(sampling_client, envs_G, observations, active, params)
         for keys, future in futures:
             sequences = future.result().sequences
-            for key, seq in zip(keys, sequences, strict=True):
-                env: Env = envs_G[key[0]][key[1]]
-                result = env.step(list(seq.tokens))
+            envs: list[Env] = [envs_G[k[0]][k[1]] for k in keys]
+            actions = [list(seq.tokens) for seq in sequences]
+            step = (step_pool or _INLINE).map
+            results = list(step(lambda e, a: e.step(a), envs, actions))
+            for key, seq, result in zip(keys, sequences, results, strict=True):
                 transitions[key].append(
                     Transition(
                         observations[key],
@@ -149,6 +166,14 @@ def rollout_groups(
     ]
 
 
+def request_seed(seed: int, group: int, prompt: Sequence[int]) -> int:
+    """A seed of its own for each group and turn (the prompt grows with the turns). A server
+    draws a request's randomness from its seed alone, so one seed shared by every request of
+    an evaluation would give all problems the same random draws: their errors would be
+    correlated and the mean far noisier than its binomial error says."""
+    return int(np.random.SeedSequence([seed, group, len(prompt)]).generate_state(1)[0])
+
+
 def _submit_turn(sampling_client, envs_G, observations, active, params: SamplingParams):
     by_prompt: dict[tuple[int, tuple[int, ...]], list] = {}
     for key in sorted(active):
@@ -156,10 +181,14 @@ def _submit_turn(sampling_client, envs_G, observations, active, params: Sampling
         group_key = (key[0], tuple(observations[key]))
         by_prompt.setdefault(group_key, []).append((key, stop))
     futures = []
-    for (_, prompt), members in by_prompt.items():
+    for (g, prompt), members in by_prompt.items():
         keys = [k for k, _ in members]
         stop = members[0][1]
         turn_params = params.model_copy(update={"stop": stop}) if stop is not None else params
+        if params.seed is not None:
+            turn_params = turn_params.model_copy(
+                update={"seed": request_seed(params.seed, g, prompt)}
+            )
         future = sampling_client.sample(
             list(prompt), num_samples=len(keys), sampling_params=turn_params
         )
@@ -171,17 +200,25 @@ def _submit_turn(sampling_client, envs_G, observations, active, params: Sampling
 
 
 def evaluate(
-    sampling_client, builders: list[EnvGroupBuilder], config: RLConfig, seed: int
+    sampling_client,
+    builders: list[EnvGroupBuilder],
+    config: RLConfig,
+    seed: int,
+    step_pool: Executor | None = None,
 ) -> dict[str, float]:
     """Held-out reward at the sampling temperature (eval_samples per problem, fixed seed) and
     greedy accuracy (`correct` metric of each env, or reward > 0)."""
     sampled = SamplingParams(
         max_tokens=config.max_tokens, temperature=config.temperature, seed=seed
     )
-    groups = rollout_groups(sampling_client, builders, config.eval_samples, sampled)
+    groups = rollout_groups(sampling_client, builders, config.eval_samples, sampled, step_pool)
     rewards = [t.total_reward for g in groups for t in g]
     greedy = rollout_groups(
-        sampling_client, builders, 1, SamplingParams(max_tokens=config.max_tokens, temperature=0)
+        sampling_client,
+        builders,
+        1,
+        SamplingParams(max_tokens=config.max_tokens, temperature=0),
+        step_pool,
     )
     correct = [t.metrics.get("correct", float(t.total_reward > 0)) for g in greedy for t in g]
     return {
@@ -214,6 +251,7 @@ def train_rl(
         config.lora_alpha,
         config.seed,
         config.load_checkpoint_path,
+        config.load_optimizer,
     )
     dataset = make_dataset(training_client.get_tokenizer())
     sampling_client = training_client.save_weights_and_get_sampling_client()

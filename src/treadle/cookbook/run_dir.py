@@ -90,15 +90,18 @@ def open_training_client(
     lora_alpha: float | None,
     seed: int,
     load_checkpoint_path: str | None = None,
+    load_optimizer: bool = False,
 ) -> tuple[Any, int, dict[str, Any] | None]:
     """Resume from the run's last checkpoint (weights and optimizer; metrics of the steps after
     it are dropped, they will run again), or start a session: from `load_checkpoint_path`'s
-    weights, or a fresh adapter. Returns (training client, first step, checkpoint record)."""
+    weights (and its Adam moments with `load_optimizer`), or a fresh adapter. Returns (training client, first step, checkpoint record)."""
     last = run.last_checkpoint()
     if last is not None:
         run.truncate_metrics_after(last["step"] - 1)
         client = svc.create_training_client_from_state_with_optimizer(last["state_path"])
         return client, last["step"], last
+    if load_checkpoint_path and load_optimizer:
+        return svc.create_training_client_from_state_with_optimizer(load_checkpoint_path), 0, None
     if load_checkpoint_path:
         return svc.create_training_client_from_state(load_checkpoint_path), 0, None
     client = svc.create_lora_training_client(model, rank=lora_rank, alpha=lora_alpha, seed=seed)

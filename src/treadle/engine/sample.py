@@ -31,9 +31,11 @@ import torch
 
 from treadle.engine.sample_utils import (
     StopStringMatcher,
+    alt_tokens_of_row,
     pick_tokens,
     preallocate,
     prompt_logprobs_of_row,
+    target_logprobs_of_row,
     validate_request,
 )
 from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
@@ -126,10 +128,13 @@ def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
             row_of_req.append(-1)
     row_keys = list(row_of)
     topks: dict[int, set[int]] = {}  # row -> the top-K sizes its requests ask for (0: none)
+    per_request: dict[int, list[int]] = {}  # row -> requests with target ids or alt draws
     generating_row = [False] * len(row_keys)
-    for req, r in zip(requests, row_of_req, strict=True):
+    for i, (req, r) in enumerate(zip(requests, row_of_req, strict=True)):
         if _wants_prompt_logprobs(req):
             topks.setdefault(r, set()).add(req.topk_prompt_logprobs)
+        if req.target_prompt_ids is not None or req.prompt_alt_tokens_k > 0:
+            per_request.setdefault(r, []).append(i)
         if req.params.max_tokens > 0:
             generating_row[r] = True
 
@@ -138,8 +143,21 @@ def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
 
     def collect(logits: torch.Tensor, rows: list[int], T: int) -> None:
         for local, r in enumerate(rows):
+            prompt = row_keys[r][1]
             for k in topks.get(r, ()):
-                memo[(r, k)] = prompt_logprobs_of_row(logits[local], row_keys[r][1], T, k)
+                memo[(r, k)] = prompt_logprobs_of_row(logits[local], prompt, T, k)
+            for i in per_request.get(r, ()):
+                req, res = requests[i], results[i]
+                if req.target_prompt_ids is not None:
+                    res.target_prompt_logprobs = target_logprobs_of_row(
+                        logits[local], len(prompt), T, req.target_prompt_ids
+                    )
+                if req.prompt_alt_tokens_k > 0:
+                    sp = req.params
+                    res.prompt_alt_tokens = alt_tokens_of_row(
+                        logits[local], len(prompt), T, req.prompt_alt_tokens_k,
+                        sp.temperature, sp.seed,
+                    )  # fmt: skip
 
     # Scoring rows (compute_logprobs) need full logits and no cache: run them apart, longest
     # first, in chunks whose (rows, T, V) logits fit LOGITS_BUDGET.
@@ -170,16 +188,26 @@ def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
         preallocate(cache, src, T + M)
         if src is not None:
             last = last[src]  # (N, V)
-        tokens, logprobs, length, stopped = _decode(engine, state, cache, last, T)
+        K = max(requests[i].topk_sample_logprobs for i in generating)
+        tokens, logprobs, length, stopped, topk = _decode(engine, state, cache, last, T, K)
         tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
         length_l, stopped_l = length.tolist(), stopped.tolist()
+        topk_l = (topk[0].tolist(), topk[1].tolist()) if topk is not None else None
         row = 0
         for i in generating:
             seqs = []
+            k_i = requests[i].topk_sample_logprobs
             for _ in range(requests[i].num_samples):
                 n = length_l[row]
                 reason = "stop" if stopped_l[row] else "length"
-                seqs.append(SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason))
+                seq = SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason)
+                if k_i > 0 and topk_l is not None:
+                    ids_row, lps_row = topk_l[0][row][:n], topk_l[1][row][:n]
+                    seq.topk = [
+                        list(zip(ids[:k_i], lps[:k_i], strict=True))
+                        for ids, lps in zip(ids_row, lps_row, strict=True)
+                    ]
+                seqs.append(seq)
                 row += 1
             results[i].sequences = seqs
 
@@ -206,7 +234,13 @@ def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]
 
 
 def _wants_prompt_logprobs(req: SampleRequest) -> bool:
-    return req.prompt_logprobs or req.topk_prompt_logprobs > 0
+    """Whether the request needs the prefill's logits at every prompt position."""
+    return (
+        req.prompt_logprobs
+        or req.topk_prompt_logprobs > 0
+        or req.target_prompt_ids is not None
+        or req.prompt_alt_tokens_k > 0
+    )
 
 
 def _prefill(
@@ -309,13 +343,16 @@ def _expand(
 
 
 def _decode(
-    engine: Any, st: _Decode, cache: Any, logits: torch.Tensor, T: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decode loop. Returns tokens (N, M), logprobs (N, M), lengths (N,), stopped (N,)."""
+    engine: Any, st: _Decode, cache: Any, logits: torch.Tensor, T: int, K: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """The decode loop. Returns tokens (N, M), logprobs (N, M), lengths (N,), stopped (N,),
+    and with K > 0 the top K (ids (N, M, K), logprobs (N, M, K)) at every step, else None."""
     N, M = st.uniforms.shape
     device = st.rows.device
     out_tok = torch.zeros(N, M, dtype=torch.long, device=device)  # (N, M)
     out_lp = torch.zeros(N, M, dtype=torch.float32, device=device)  # (N, M)
+    top_ids = torch.zeros(N, M, K, dtype=torch.long, device=device)  # (N, M, K)
+    top_lp = torch.zeros(N, M, K, dtype=torch.float32, device=device)  # (N, M, K)
     out_len = torch.zeros(N, dtype=torch.long, device=device)  # (N,)
     out_stop = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
     any_filter = bool(((st.top_k < logits.shape[-1]) | (st.top_p < 1)).any())
@@ -332,6 +369,10 @@ def _decode(
             )  # fmt: skip
             out_tok[st.rows, k] = tok
             out_lp[st.rows, k] = lp
+            if K:  # of the raw distribution, like the sampled logprobs
+                vals, ids = logits.float().log_softmax(-1).topk(K, dim=-1)  # (n, K)
+                top_ids[st.rows, k] = ids
+                top_lp[st.rows, k] = vals
             hit = (tok[:, None] == st.stop_ids).any(-1)  # (n,)
             if st.matchers:
                 hit |= _stop_string_hits(st, tok)
@@ -364,7 +405,7 @@ def _decode(
             )
             logits = out.logits[:, -1]  # (n, V)
             k += 1
-    return out_tok, out_lp, out_len, out_stop
+    return out_tok, out_lp, out_len, out_stop, ((top_ids, top_lp) if K else None)
 
 
 def _stop_string_hits(st: _Decode, tok: torch.Tensor) -> torch.Tensor:

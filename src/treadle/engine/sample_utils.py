@@ -6,8 +6,10 @@ them together.
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -60,6 +62,26 @@ def validate_request(engine: Any, req: SampleRequest, i: int) -> None:
         raise InvalidRequestError(
             f"{where}.topk_prompt_logprobs must be in [0, {V}], got {req.topk_prompt_logprobs}"
         )
+    if not 0 <= req.topk_sample_logprobs <= V:
+        raise InvalidRequestError(
+            f"{where}.topk_sample_logprobs must be in [0, {V}], got {req.topk_sample_logprobs}"
+        )
+    if req.prompt_alt_tokens_k < 0:
+        raise InvalidRequestError(
+            f"{where}.prompt_alt_tokens_k must be >= 0, got {req.prompt_alt_tokens_k}"
+        )
+    ids = req.target_prompt_ids
+    if ids is not None:
+        P = len(req.prompt)
+        if ids.ndim != 2 or ids.shape[0] != P - 1:
+            raise InvalidRequestError(
+                f"{where}.target_prompt_ids must be ({P - 1}, K) (prompt length - 1 rows), "
+                f"got shape {tuple(ids.shape)}"
+            )
+        if ((ids < -1) | (ids >= V)).any():
+            raise InvalidRequestError(
+                f"{where}.target_prompt_ids hold ids outside the vocabulary [0, {V}) (or -1)"
+            )
 
 
 def pick_tokens(
@@ -139,6 +161,38 @@ def prompt_logprobs_of_row(
             for i_row, v_row in zip(ids.tolist(), vals.tolist(), strict=True)
         ]
     return [None, *chosen], topk
+
+
+def target_logprobs_of_row(logits: torch.Tensor, L: int, T: int, ids: np.ndarray) -> np.ndarray:
+    """Logprobs of chosen tokens at each prompt position: (L-1, K) fp32, 0 where ids is -1.
+
+    logits (T, V) of one left-padded prefill row of a prompt of length L; ids (L-1, K) int64,
+    row i scored at prompt position i + 1 (what the logits of position i predict).
+    """
+    lp = logits[T - L : T - 1].float().log_softmax(-1)  # (L-1, V)
+    idx = torch.as_tensor(ids, dtype=torch.long, device=lp.device)  # (L-1, K)
+    got = lp.gather(-1, idx.clamp(min=0))  # (L-1, K)
+    return got.masked_fill(idx < 0, 0.0).cpu().numpy().astype(np.float32)
+
+
+def alt_tokens_of_row(
+    logits: torch.Tensor, L: int, T: int, k: int, temperature: float, seed: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """k independent draws, with replacement, at each prompt position after the first.
+
+    Draws come from softmax(logits / temperature) (the argmax k times when temperature is 0);
+    the logprobs returned are those of the raw distribution, like sampled logprobs.
+    → token ids (L-1, k) int64, logprobs (L-1, k) fp32.
+    """
+    lp = logits[T - L : T - 1].float().log_softmax(-1)  # (L-1, V)
+    if temperature == 0:
+        ids = lp.argmax(-1, keepdim=True).expand(-1, k)  # (L-1, k)
+    else:
+        gen = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        probs = (lp / temperature).softmax(-1).cpu()  # (L-1, V)
+        ids = torch.multinomial(probs, k, replacement=True, generator=gen).to(lp.device)
+    vals = lp.gather(-1, ids)  # (L-1, k)
+    return ids.cpu().numpy().astype(np.int64), vals.cpu().numpy().astype(np.float32)
 
 
 class StopStringMatcher:

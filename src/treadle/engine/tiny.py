@@ -23,13 +23,31 @@ EOS, IM_START, IM_END = SPECIAL_TOKENS
 
 # ChatML; {% generation %} marks assistant text so that
 # apply_chat_template(return_assistant_tokens_mask=True) finds what to train on.
+# Tools follow the Hermes / Qwen convention: listed in a system turn, called with
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (without tools: plain ChatML).
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    '{{ \'# Tools\nTo call a function, answer with <tool_call>{"name": <name>, '
+    '"arguments": <arguments>}</tool_call>.\n<tools>\' }}'
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% generation %}{{ message['content'] or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set args = call.function.arguments %}"
+    '{{ \'<tool_call>{"name": "\' + call.function.name + \'", "arguments": \' }}'
+    "{{ args if args is string else (args | tojson) }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
     "{{ '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -82,6 +82,10 @@ class SampleRequest:
     adapter: str | None = None
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    # (P-1, K) int64: row i names the tokens to score at prompt position i + 1; -1 = none
+    target_prompt_ids: np.ndarray | None = None
+    topk_sample_logprobs: int = 0  # the top K at every sampled position
+    prompt_alt_tokens_k: int = 0  # K draws at the request's temperature per prompt position
 
 
 @dataclass
@@ -89,6 +93,8 @@ class SampledSeq:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
+    # per sampled token, its top-K (token_id, logprob), with topk_sample_logprobs = K
+    topk: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -97,3 +103,5 @@ class SampleResult:
     # one entry per prompt position; the first is None (nothing predicts it)
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: np.ndarray | None = None  # (P-1, K) fp32, 0 where the id was -1
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None  # ids, logprobs: (P-1, K)

@@ -25,11 +25,22 @@ from treadle.errors import (
     QuotaExceededError,
     TreadleError,
 )
+from treadle.server.auth import TenantMiddleware, start_auth
 from treadle.server.config import ServerConfig
 from treadle.server.db import SessionRow, Store
 from treadle.server.journal import Journal
 from treadle.server.notifier import FutureBoard
-from treadle.server.routes import futures, sampling, session, training, treadle, weights
+from treadle.server.openai import errors as openai_errors
+from treadle.server.openai import routes as openai_routes
+from treadle.server.routes import (
+    checkpoints,
+    futures,
+    sampling,
+    session,
+    training,
+    treadle,
+    weights,
+)
 from treadle.server.service import Service, SessionGoneError
 
 log = logging.getLogger("treadle.server")
@@ -72,6 +83,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
                 log.info("loading model %s from %s", name, path)
                 service.add_engine(name, await asyncio.to_thread(make_engine, name, path, config))
             app.state.service = service
+            start_auth(app, service)  # keys → tenants (treadle.server.auth)
             reaper = asyncio.create_task(_reap_idle_sessions(service))
             try:
                 yield
@@ -84,13 +96,15 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
 
     app = FastAPI(title="treadle", lifespan=lifespan)
     # Routes are matched in order, so the ones every call uses come first.
-    for router_module in (futures, training, sampling, session, weights, treadle):
+    for router_module in (futures, training, sampling, session, weights, treadle, checkpoints):
         app.include_router(router_module.router)
+    app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.
     app.add_exception_handler(TreadleError, _handle_error)
     app.add_exception_handler(Exception, _handle_error)
     app.add_exception_handler(RequestValidationError, _handle_validation_error)
+    app.add_middleware(TenantMiddleware)
     return app
 
 
@@ -116,13 +130,20 @@ async def _handle_error(request: Request, exc: Exception) -> JSONResponse:
     SDK takes a 400 with an empty body for a proxy reset and retries it)."""
     for cls, status, category in STATUS_OF_ERROR:
         if isinstance(exc, cls):
-            return JSONResponse({"error": str(exc), "category": category}, status_code=status)
+            response = _error_response(request, str(exc), category, status)
+            response.headers.update(getattr(exc, "http_headers", {}))  # a quota's Retry-After
+            return response
     if not isinstance(exc, TreadleError):
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(
-        {"error": f"internal server error: {type(exc).__name__}: {exc}", "category": "server"},
-        status_code=500,
-    )
+    message = f"internal server error: {type(exc).__name__}: {exc}"
+    return _error_response(request, message, "server", 500)
+
+
+def _error_response(request: Request, message: str, category: str, status: int) -> JSONResponse:
+    """Our error body; OpenAI's shape on its /v1 paths, so that its clients parse it."""
+    if openai_errors.is_openai_path(request.url.path):
+        return openai_errors.error_response(message, status)
+    return JSONResponse({"error": message, "category": category}, status_code=status)
 
 
 async def _handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -130,6 +151,8 @@ async def _handle_validation_error(request: Request, exc: RequestValidationError
     for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         problems.append(f"{loc or 'body'}: {err.get('msg')}")
+    if openai_errors.is_openai_path(request.url.path):
+        return openai_errors.validation_error_response(exc.errors(), problems)
     return JSONResponse(
         {"error": "invalid request: " + "; ".join(problems), "category": "user"}, status_code=400
     )

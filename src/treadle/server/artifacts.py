@@ -2,7 +2,8 @@
 
 tinker://<run_id>/weights/<name>          training state (adapter + optimizer): save_state
 tinker://<run_id>/sampler_weights/<name>  PEFT adapter: save_weights_for_sampler
-on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights>/<name>/
+tinker://<run_id>/external_weights/<name> the same adapter, for file download
+on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights|external_weights>/<name>/
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from pathlib import Path
 
 from treadle.errors import InvalidRequestError
 
-SEGMENT_OF_TYPE = {"training": "weights", "sampler": "sampler_weights"}
+SEGMENT_OF_TYPE = {
+    "training": "weights",
+    "sampler": "sampler_weights",
+    "external": "external_weights",  # save_weights_external: the adapter, for download
+}
 TYPE_OF_SEGMENT = {v: k for k, v in SEGMENT_OF_TYPE.items()}
 
 
@@ -38,8 +43,9 @@ def parse_tinker_path(path: str, field: str = "path") -> tuple[str, str, str]:
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in TYPE_OF_SEGMENT or not parts[0]:
         raise InvalidRequestError(
-            f"{field}: expected tinker://<run_id>/weights/<name> or "
-            f"tinker://<run_id>/sampler_weights/<name>, got {path!r}"
+            f"{field}: expected tinker://<run_id>/weights/<name>, "
+            f"tinker://<run_id>/sampler_weights/<name> or "
+            f"tinker://<run_id>/external_weights/<name>, got {path!r}"
         )
     check_name(parts[2], field)
     return parts[0], TYPE_OF_SEGMENT[parts[1]], parts[2]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, field_validator
 
+from treadle.server.quotas import Quotas
+
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
     """`NAME=PATH` → (NAME, PATH); a bare `PATH` is named after its folder.
@@ -20,6 +22,29 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
             raise ValueError(f"--model: expected NAME=PATH or PATH, got {arg!r}")
         return name, path
     return Path(arg).resolve().name, arg
+
+
+class Price(BaseModel):
+    """$ per million tokens of one base model, per metered counter."""
+
+    prefill: float = 0.0
+    sample: float = 0.0
+    train: float = 0.0
+
+
+class InputLimits(BaseModel):
+    """What one request may ask of the server, whoever sends it (400 beyond)."""
+
+    max_seq_len: dict[str, int] = {}
+    """Per served model name: the longest sequence (a datum, or a prompt plus its
+    max_tokens); never more than the model's own context length."""
+    max_batch_tokens: int | None = None
+    """Tokens of one forward/forward_backward request (its model inputs summed)."""
+    max_num_samples: int = 256
+    """num_samples of one sample request."""
+    max_sample_tokens: int | None = None
+    """max_tokens of one sample request; a request without max_tokens gets this much room
+    (or the room its model's context leaves, whichever is less)."""
 
 
 class ServerConfig(BaseModel):
@@ -46,6 +71,16 @@ class ServerConfig(BaseModel):
     """Consecutive forward/forward_backward requests of one model (the chunks of a big batch)
     share one engine call up to this many tokens; the first always runs."""
     log_level: str = "info"
+    quotas: Quotas = Quotas()
+    """Every tenant's default quotas (unset: unlimited); see treadle.server.quotas."""
+    tenant_quotas: dict[str, Quotas] = {}
+    """Per tenant name: quotas over the defaults (the database's, set with `treadle admin
+    set-quotas`, win over these)."""
+    rate_window_s: float = 60.0
+    """The sliding window of the requests_per_minute quota (60; tests shorten it)."""
+    prices: dict[str, Price] = {}
+    """Per served model name: $ per million prefill / sample / train tokens (usage reports)."""
+    limits: InputLimits = InputLimits()
 
     @field_validator("models")
     @classmethod

@@ -32,10 +32,14 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+DEFAULT_TENANT_ID = "default"  # the development tenant (treadle.server.auth.DEV_TENANT)
 
 
 def utcnow() -> dt.datetime:
@@ -53,6 +57,7 @@ class Base(DeclarativeBase):
 class SessionRow(Base):
     __tablename__ = "sessions"
     session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
     status: Mapped[str] = mapped_column(String(16), default="active")  # active|finished|expired
     tags: Mapped[list] = mapped_column(JSON, default=list)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
@@ -69,6 +74,7 @@ class ModelRow(Base):
     model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     run_id: Mapped[str] = mapped_column(String(64), unique=True)
     session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
     base_model: Mapped[str] = mapped_column(String(256))
     lora_config: Mapped[dict] = mapped_column(JSON)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
@@ -83,6 +89,9 @@ class RequestRow(Base):
     __tablename__ = "requests"
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    # the served model that ran it: the price table is per base model
+    base_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     sampling_session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -93,7 +102,7 @@ class RequestRow(Base):
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    # Usage, recorded now so that metering (a later issue) has it.
+    # Metered usage (treadle.server.metering): prefill, sample and train tokens.
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     sampled_tokens: Mapped[int] = mapped_column(Integer, default=0)
     train_tokens: Mapped[int] = mapped_column(Integer, default=0)
@@ -106,6 +115,7 @@ class SamplingSessionRow(Base):
     __table_args__ = (UniqueConstraint("session_id", "seq_id"),)
     sampling_session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
     seq_id: Mapped[int] = mapped_column(Integer)
     base_model: Mapped[str] = mapped_column(String(256))
     model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
@@ -119,6 +129,7 @@ class CheckpointRow(Base):
     __tablename__ = "checkpoints"
     tinker_path: Mapped[str] = mapped_column(String(512), primary_key=True)
     run_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
     model_id: Mapped[str] = mapped_column(String(128))
     checkpoint_type: Mapped[str] = mapped_column(String(16))  # training|sampler
     name: Mapped[str] = mapped_column(String(256))
@@ -130,6 +141,32 @@ class CheckpointRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class TenantRow(Base):
+    """A customer or team. Its quotas override the config file's, field by field."""
+
+    __tablename__ = "tenants"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    quotas: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKeyRow(Base):
+    """An API key, stored as the sha256 of the key: the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)  # the key's public prefix
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+# Tables whose rows belong to a tenant (a tenant_id column); databases written before
+# tenants existed get the column on open, their rows going to the development tenant.
+TENANT_TABLES = ("sessions", "models", "requests", "sampling_sessions", "checkpoints")
+
+
 class Store:
     def __init__(self, url: str):
         is_sqlite = url.startswith("sqlite")
@@ -139,6 +176,7 @@ class Store:
         if is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -281,6 +319,19 @@ def set_model_status(conn: Connection, model_id: str, status: str) -> None:
     """active | unloaded."""
     models = ModelRow.__table__
     conn.execute(update(models).where(models.c.model_id == model_id).values(status=status))
+
+
+def _add_missing_columns(engine: Any) -> None:
+    """Columns added since a database was made (CREATE TABLE never alters a table)."""
+    added = {
+        **{(t, "tenant_id"): f"VARCHAR(64) DEFAULT '{DEFAULT_TENANT_ID}'" for t in TENANT_TABLES},
+        ("requests", "base_model"): "VARCHAR(256)",
+    }
+    have = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in TENANT_TABLES}
+    with engine.begin() as conn:
+        for (table, column), ddl in added.items():
+            if column not in have[table]:
+                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}"))
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

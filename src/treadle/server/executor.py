@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +27,15 @@ from treadle.engine.types import (
     TrainDatum,
 )
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError, TreadleError
-from treadle.server import artifacts
-from treadle.server.db import CheckpointRow, SamplingSessionRow, Store, insert_row, utcnow
+from treadle.server import artifacts, encryption, registry
+from treadle.server.db import (
+    DEFAULT_TENANT_ID,
+    CheckpointRow,
+    SamplingSessionRow,
+    Store,
+    insert_row,
+    utcnow,
+)
 from treadle.server.journal import Journal
 from treadle.server.scheduler import Deferred, Op
 from treadle.types import (
@@ -168,13 +177,25 @@ class OpExecutor:
             cut = len(req.prompt) - last_n  # positions before the last N are not scored
             prompt_lps = [None] * cut + list(prompt_lps[cut:]) if prompt_lps else prompt_lps
             topk = [None] * cut + list(topk[cut:]) if topk else topk
+        alt = result.prompt_alt_tokens
         resp = SampleResponse(
             sequences=[
-                SampledSequence(stop_reason=s.stop_reason, tokens=s.tokens, logprobs=s.logprobs)
+                SampledSequence(
+                    stop_reason=s.stop_reason,
+                    tokens=s.tokens,
+                    logprobs=s.logprobs,
+                    topk_logprobs=s.topk,
+                )
                 for s in result.sequences
             ],
             prompt_logprobs=prompt_lps,
             topk_prompt_logprobs=topk,
+            target_prompt_logprobs=None
+            if result.target_prompt_logprobs is None
+            else TensorData.from_numpy(result.target_prompt_logprobs),
+            prompt_alt_tokens=None
+            if alt is None
+            else (TensorData.from_numpy(alt[0]), TensorData.from_numpy(alt[1])),
         )
         sampled = sum(len(s.tokens) for s in result.sequences)
         return self.ok(
@@ -201,10 +222,14 @@ class OpExecutor:
 
     def _do_load(self, op: Op) -> dict[str, Any]:
         p = op.payload
-        if p["checkpoint_type"] == "training":
-            self.engine.load_state(op.model_id, p["dir"], with_optimizer=p["optimizer"])
-        else:
-            self.engine.load_adapter(op.model_id, p["dir"])
+        try:
+            if p["checkpoint_type"] == "training":
+                self.engine.load_state(op.model_id, p["dir"], with_optimizer=p["optimizer"])
+            else:
+                self.engine.load_adapter(op.model_id, p["dir"])
+        finally:
+            if p.get("cleanup"):  # a decrypted or downloaded copy of a version
+                shutil.rmtree(p["dir"], ignore_errors=True)
         return self.ok(op, {"path": p["path"], "model_id": op.model_id, "type": "load_weights"})
 
     def _do_optim_step(self, op: Op) -> dict[str, Any]:
@@ -222,8 +247,10 @@ class OpExecutor:
             )
         with artifacts.atomic_dir(final) as tmp:
             self.engine.save_state(op.model_id, tmp)
+        step = self._step(op)
+        versions = self._publish(op, "state", final, path, step)
         self._record_checkpoint(op, "training", final, path)
-        return self.ok(op, {"path": path, "type": "save_weights"})
+        return self.ok(op, {"path": path, "type": "save_weights", **versions})
 
     def _do_save_sampler(self, op: Op) -> Deferred:
         """Freeze the weights now (memory only), write them to disk at an idle moment: the
@@ -231,19 +258,77 @@ class OpExecutor:
         p = op.payload
         snap = f"ckpt:{op.request_id}"
         self.engine.snapshot(op.model_id, snap)
-        final = artifacts.checkpoint_dir(self.root, p["run_id"], "sampler", p["name"])
-        path = artifacts.tinker_path(p["run_id"], "sampler", p["name"])
+        ckpt_type = p.get("checkpoint_type", "sampler")
+        final = artifacts.checkpoint_dir(self.root, p["run_id"], ckpt_type, p["name"])
+        path = artifacts.tinker_path(p["run_id"], ckpt_type, p["name"])
+        step = self._step(op)
 
         def write() -> dict[str, Any]:
+            merged = final.parent / f".merged-{final.name}-{uuid.uuid4().hex[:8]}"
             try:
                 with artifacts.atomic_dir(final) as tmp:
                     self.engine.save_adapter(snap, tmp)
+                    if p.get("age_recipients"):  # save_weights_external, encrypted to them
+                        encryption.age_encrypt_folder(tmp, p["age_recipients"])
+                if p.get("merge_weights"):
+                    self.engine.save_merged(snap, merged)
             finally:
                 self.engine.drop_snapshot(snap)
-            self._record_checkpoint(op, "sampler", final, path)
-            return self.ok(op, {"path": path, "type": "save_weights_for_sampler"})
+            try:
+                versions = self._publish(op, "sampler", final, path, step)
+                if p.get("merge_weights"):
+                    more = self._publish(op, "merged", merged, None, step, keep=False)
+                    versions["versions"] += more["versions"]
+            finally:
+                shutil.rmtree(merged, ignore_errors=True)
+            self._record_checkpoint(op, ckpt_type, final, path)
+            external = ckpt_type == "external"
+            kind = "save_weights_external" if external else "save_weights_for_sampler"
+            result = {"path": path, "type": kind, **versions}
+            return self.ok(op, result)
 
         return Deferred(op, write)
+
+    def _step(self, op: Op) -> int | None:
+        if op.payload.get("package") is None:
+            return None
+        return int(self.engine.adapter_step(op.model_id))
+
+    def _publish(
+        self,
+        op: Op,
+        kind: str,
+        folder: Path,
+        path: str | None,
+        step: int | None,
+        keep: bool = True,
+    ) -> dict[str, Any]:
+        """Register a version of the model's package group (if it has one) from folder.
+
+        A failed store registers nothing and fails the op; the local folder goes too, so
+        that no checkpoint remains that the client was not told of. With an encryption key,
+        only the ciphertext in the store remains: the plain folder is deleted.
+        """
+        pkg = op.payload.get("package") if isinstance(op.payload, dict) else None
+        if pkg is None:
+            return {}
+        try:
+            row = registry.publish(
+                self.store,
+                pkg,
+                kind,
+                folder,
+                name=op.payload.get("name"),
+                tinker_path=path,
+                step=step,
+                user_metadata=op.payload.get("user_metadata"),
+            )
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if keep and pkg.get("key") is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {"versions": [f"{row.group_name}:{row.version}"]}
 
     def _record_checkpoint(self, op: Op, ckpt_type: str, final: Path, path: str) -> None:
         p = op.payload
@@ -258,6 +343,7 @@ class OpExecutor:
             "lora_config": p["lora_config"],
             "size_bytes": artifacts.dir_size(final),
             "user_metadata": p.get("user_metadata"),
+            "tenant_id": p.get("tenant_id", DEFAULT_TENANT_ID),
             "created_at": utcnow(),
         }
 
@@ -277,6 +363,17 @@ class OpExecutor:
         p = op.payload
         snap = f"snap:{p['sampling_session_id']}"
         self.engine.snapshot(op.model_id, snap)
+        versions: dict[str, Any] = {}
+        if p.get("package") is not None:  # the per-step sampler refresh is a version too
+            folder = self.root / ".refresh" / uuid.uuid4().hex
+            try:
+                self.engine.save_adapter(snap, folder)
+                versions = self._publish(op, "sampler", folder, None, self._step(op))
+            except BaseException:
+                self.engine.drop_snapshot(snap)
+                raise
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         self.live_refs.add(snap)
         kept = self.snapshots.setdefault(op.model_id, deque())
         kept.append(snap)
@@ -289,10 +386,11 @@ class OpExecutor:
             "base_model": p["base_model"],
             "model_id": op.model_id,
             "engine_ref": snap,
+            "tenant_id": p.get("tenant_id", DEFAULT_TENANT_ID),
         }
         self._write(lambda conn: insert_row(conn, SamplingSessionRow, values))
         result = {"path": None, "sampling_session_id": p["sampling_session_id"]}
-        return self.ok(op, {**result, "type": "save_weights_for_sampler"})
+        return self.ok(op, {**result, "type": "save_weights_for_sampler", **versions})
 
     # ---- control calls (engine thread, via EngineWorker.call) ----
     def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:

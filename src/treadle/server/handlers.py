@@ -6,10 +6,11 @@ the event loop: their checks read memory only, and filing a future awaits its co
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.server import artifacts
+from treadle.server import artifacts, encryption, registry
 from treadle.server.db import new_id
 from treadle.server.service import Service, SessionGoneError, sample_sequence_id
 from treadle.server.validation import check_train_request, to_engine_sample_request
@@ -45,9 +46,11 @@ async def create_model(svc: Service, body: CreateModelRequest) -> dict[str, Any]
         raise InvalidRequestError(
             "lora_config: at least one of train_attn/mlp/unembed must be true"
         )
+    registry.check_binding(body.model_package_group, body.output_path)
     model_id = await svc.new_model(
         body.session_id, body.model_seq_id, base, lora.model_dump(), body.user_metadata
     )
+    await _bind(svc, model_id, body.model_package_group, body.output_path)
     rid = await svc.submit(
         svc.workers[base],
         "create",
@@ -106,6 +109,27 @@ def _check_adam(body: OptimStepRequest) -> None:
         )
 
 
+async def _bind(svc: Service, model_id: str, group: str | None, output_path: str | None) -> None:
+    """Bind a new model to its model package group: its saves become versions there."""
+    if group is None:
+        return
+    tenant_id = getattr(svc.models.get(model_id), "tenant_id", None) or "default"
+    await asyncio.to_thread(registry.bind_model, svc.store, model_id, tenant_id, group, output_path)
+
+
+def _package(svc: Service, row: Any, key: bytes | None, stored: bool = True) -> dict | None:
+    """What a save publishes to (None: the model has no group). A key sent for a save that
+    would store plain files is refused; an in-memory snapshot (stored=False) stores none."""
+    root = registry.packages_root(svc.config)
+    pkg = registry.package_of(svc.store, row, key, root)
+    if pkg is None and key is not None and stored:
+        raise InvalidRequestError(
+            "X-Treadle-Encryption-Key: encryption applies to model package versions; create "
+            "the training client with model_package_group to store encrypted versions"
+        )
+    return pkg
+
+
 def _ckpt_payload(row: Any, name: str, user_metadata: dict | None, **extra: Any) -> dict:
     return {
         "name": name,
@@ -113,15 +137,21 @@ def _ckpt_payload(row: Any, name: str, user_metadata: dict | None, **extra: Any)
         "base_model": row.base_model,
         "lora_config": row.lora_config,
         "user_metadata": user_metadata,
+        "tenant_id": row.tenant_id,
         **extra,
     }
 
 
-async def save_weights(svc: Service, body: SaveWeightsRequest) -> dict[str, Any]:
+async def save_weights(
+    svc: Service, body: SaveWeightsRequest, key: bytes | None = None
+) -> dict[str, Any]:
     row = svc.require_model(body.model_id)
     async with svc.skip_on_error(row, body.seq_id):
         name = artifacts.check_name(body.path)
-    payload = _ckpt_payload(row, name, body.user_metadata, overwrite=body.overwrite)
+        package = _package(svc, row, key)
+    payload = _ckpt_payload(
+        row, name, body.user_metadata, overwrite=body.overwrite, package=package
+    )
     rid = await svc.submit(
         svc.workers[row.base_model],
         "save_state",
@@ -134,25 +164,51 @@ async def save_weights(svc: Service, body: SaveWeightsRequest) -> dict[str, Any]
 
 
 async def save_weights_for_sampler(
-    svc: Service, body: SaveWeightsForSamplerRequest
+    svc: Service,
+    body: SaveWeightsForSamplerRequest,
+    key: bytes | None = None,
+    checkpoint_type: str = "sampler",
+    age_recipients: list[str] | None = None,
 ) -> dict[str, Any]:
+    """checkpoint_type "external": save_weights_external (the same PEFT adapter, under
+    tinker://<run>/external_weights/<name>, downloadable file by file)."""
     row = svc.require_model(body.model_id)
     worker = svc.workers[row.base_model]
     if body.path is not None:
         async with svc.skip_on_error(row, body.seq_id):
             name = artifacts.check_name(body.path)
-        payload = _ckpt_payload(row, name, body.user_metadata)
+            package = _package(svc, row, key)
+            if age_recipients is not None:
+                encryption.age_recipients(age_recipients)
+            if body.merge_weights and package is None:
+                raise InvalidRequestError(
+                    "merge_weights: a merged model is published as a version of the session's "
+                    "model package group; create the training client with model_package_group"
+                )
+        payload = _ckpt_payload(
+            row,
+            name,
+            body.user_metadata,
+            package=package,
+            merge_weights=body.merge_weights,
+            checkpoint_type=checkpoint_type,
+            age_recipients=age_recipients,
+        )
         kind = "save_sampler"
     else:
         if body.sampling_session_seq_id is None:
             raise InvalidRequestError(
                 "save_weights_for_sampler: send path or sampling_session_seq_id"
             )
+        async with svc.skip_on_error(row, body.seq_id):
+            package = _package(svc, row, key, stored=False)
         payload = {
             "sampling_session_id": new_id(),
             "sampling_session_seq_id": body.sampling_session_seq_id,
             "session_id": row.session_id,
             "base_model": row.base_model,
+            "package": package,
+            "tenant_id": row.tenant_id,
         }
         kind = "snapshot"
     rid = await svc.submit(
@@ -161,10 +217,13 @@ async def save_weights_for_sampler(
     return _future(rid, body.model_id)
 
 
-async def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]:
+async def load_weights(
+    svc: Service, body: LoadWeightsRequest, source: registry.LoadSource | None = None
+) -> dict[str, Any]:
     """Legacy form (model_id + seq_id) loads into an existing model; create-via-load
-    (session_id + model_seq_id) makes model "<session_id>:train:<model_seq_id>" from it."""
-    ckpt = await svc.checkpoint(body.path)
+    (session_id + model_seq_id) makes model "<session_id>:train:<model_seq_id>" from it.
+    `source`: a model package version already fetched (registry.load_source)."""
+    ckpt = source if source is not None else await svc.checkpoint(body.path)
     _check_optimizer(body.optimizer_config, "optimizer_config")
     if body.optimizer and ckpt.checkpoint_type != "training":
         raise InvalidRequestError(
@@ -176,6 +235,7 @@ async def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]
         "checkpoint_type": ckpt.checkpoint_type,
         "optimizer": body.optimizer,
         "path": body.path,
+        "cleanup": source is not None and source.cleanup,
     }
     if body.session_id is not None:
         if body.model_seq_id is None:
@@ -186,9 +246,11 @@ async def load_weights(svc: Service, body: LoadWeightsRequest) -> dict[str, Any]
                 f"base_model: {body.base_model!r} does not match the checkpoint's {ckpt.base_model!r}"
             )
         base = svc.require_base_model(ckpt.base_model)
+        registry.check_binding(body.model_package_group, body.output_path)
         model_id = await svc.new_model(
             body.session_id, body.model_seq_id, base, ckpt.lora_config, body.user_metadata
         )
+        await _bind(svc, model_id, body.model_package_group, body.output_path)
         session_id, seq_id = body.session_id, 0
     elif body.model_id is not None:
         row = svc.require_model(body.model_id)
@@ -230,6 +292,9 @@ async def asample(svc: Service, body: SampleRequest) -> dict[str, Any]:
             "memory (too many newer samplers of the same model); save a new sampler"
         )
     vocab, max_len = svc.engine_facts(sampler.base_model)
+    if body.sampling_params.max_tokens is None:  # under the input limits, if any
+        default = svc.default_max_tokens(sampler.base_model, body.prompt.length)
+        body.sampling_params.max_tokens = default
     request = to_engine_sample_request(body, sampler.engine_ref, vocab, max_len)
     payload = {"request": request, "prompt_logprobs_last_n": body.prompt_logprobs_last_n}
     rid = await svc.submit(

@@ -9,6 +9,12 @@ of this process are held in memory (their rows are written when they are made), 
 resubmission is recognised in memory, and a result reaches its poll from memory
 (treadle.server.notifier). The database remains the record: what is not in memory (a future
 of a previous run, one delivered already, an evicted key) is looked up there.
+
+Tenants: every session, model, sampler, checkpoint and future belongs to the tenant of the
+request that made it (treadle.server.auth.current_tenant). Another tenant's resource is
+answered exactly as one that does not exist (NotFoundError, same message). Quotas
+(treadle.server.quotas) and input limits are checked here too, where every route's
+operations pass (`submit`), so that no path escapes them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
-from treadle.server import artifacts
+from treadle.server import artifacts, limits
+from treadle.server.auth import DEV_TENANT, KeyRing, Tenant, current_tenant, in_request
 from treadle.server.config import ServerConfig
 from treadle.server.db import (
     CheckpointRow,
@@ -50,7 +57,10 @@ from treadle.server.db import (
 )
 from treadle.server.executor import JSON_TYPE, PROTO_TYPE, OpExecutor
 from treadle.server.journal import Journal
+from treadle.server.limits import TRAIN_KINDS
+from treadle.server.metering import METERED_KINDS, usage_of, with_usage
 from treadle.server.notifier import FutureBoard, Outcome
+from treadle.server.quotas import QuotaError, Quotas, RateLimiter, check_rank, check_slot
 from treadle.server.scheduler import EngineWorker, Op
 from treadle.wire import codec
 
@@ -58,6 +68,8 @@ log = logging.getLogger("treadle.service")
 
 # Dedup keys remembered in memory; an older key is still recognised, by the database.
 MAX_FILED_KEYS = 100_000
+# Owners of futures remembered in memory; an older one is read from its request row.
+MAX_REQUEST_OWNERS = 100_000
 
 
 class SessionGoneError(NotFoundError):
@@ -79,6 +91,10 @@ class Service:
         self.samplers: dict[str, SamplingSessionRow] = {}  # rows read once (they never change)
         # dedup key → request_id, or the commit still in flight for it
         self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
+        self.session_tenant: dict[str, str] = {}  # sessions of this process → tenant_id
+        self.request_tenant: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
+        self.rate = RateLimiter(config.rate_window_s)
+        self.keyring: KeyRing | None = None  # set by the app; holds the tenants' own quotas
 
     # ---- engines ----
     def add_engine(self, name: str, engine: Any) -> None:
@@ -129,11 +145,62 @@ class Service:
             )
         return name
 
+    # ---- tenants: ownership and quotas ----
+    @staticmethod
+    def owns(tenant_id: str | None) -> bool:
+        """Whether the request being served may see a resource of `tenant_id` (work done
+        outside a request, on the engine and journal threads, sees everything)."""
+        return not in_request() or (tenant_id or DEV_TENANT.tenant_id) == current_tenant().tenant_id
+
+    def quotas_of(self, tenant: Tenant) -> Quotas:
+        quotas = self.config.quotas
+        if tenant.name in self.config.tenant_quotas:
+            quotas = quotas.overlay(self.config.tenant_quotas[tenant.name].model_dump())
+        if self.keyring is not None:
+            quotas = quotas.overlay(self.keyring.quotas_seen.get(tenant.tenant_id))
+        return quotas
+
+    def _check_adapter_slot(self, tenant: Tenant, quotas: Quotas) -> None:
+        limit = quotas.max_adapters_in_memory
+        if limit is None:
+            return
+        held = self.adapters_in_memory(tenant.tenant_id)
+        check_slot(
+            "max_adapters_in_memory", limit, held, f"tenant {tenant.name!r} holds {held} adapters"
+        )
+
+    def adapters_in_memory(self, tenant_id: str) -> int:
+        """Training models loaded, plus samplers loaded from saved checkpoints."""
+        models = sum(
+            1 for m in self.models.values() if m.tenant_id == tenant_id and m.status == "active"
+        )
+        samplers = sum(
+            1
+            for s in self.samplers.values()
+            if s.tenant_id == tenant_id
+            and s.engine_ref is not None
+            and s.engine_ref.startswith("sampler:")
+            and s.engine_ref in self.executors[s.base_model].live_refs
+        )
+        return models + samplers
+
+    def default_max_tokens(self, base_model: str, prompt_len: int) -> int | None:
+        """max_tokens for a sample request that gives none, under the input limits."""
+        context = self.engine_facts(base_model)[1]
+        return limits.default_max_tokens(self.config.limits, base_model, context, prompt_len)
+
     # ---- sessions ----
     async def create_session(self, body: Any) -> str:
+        tenant = current_tenant()
+        limit = self.quotas_of(tenant).max_concurrent_sessions
+        if limit is not None:
+            mine = [s for s in self.last_seen if self.session_tenant.get(s) == tenant.tenant_id]
+            what = f"tenant {tenant.name!r} has {len(mine)} active sessions"
+            check_slot("max_concurrent_sessions", limit, len(mine), what)
         session_id = new_id()
         values = {
             "session_id": session_id,
+            "tenant_id": tenant.tenant_id,
             "status": "active",
             "tags": list(body.tags),
             "user_metadata": body.user_metadata,
@@ -142,18 +209,22 @@ class Service:
             "created_at": utcnow(),
         }
         await self.journal.run(functools.partial(insert_row, cls=SessionRow, values=values))
+        self.session_tenant[session_id] = tenant.tenant_id
         self.last_seen[session_id] = time.monotonic()
         return session_id
 
     def require_session(self, session_id: str) -> None:
         """An active session of this process (and a sign of life from it), else 404/410."""
+        owner = self.session_tenant.get(session_id)
+        if owner is not None and not self.owns(owner):
+            raise NotFoundError(f"session_id {session_id!r} not found")
         if session_id in self.last_seen:
             self.last_seen[session_id] = time.monotonic()
             return
         status = self.ended.get(session_id)
         if status is None:  # not one of ours: ended by a previous run, or no such session
             row = self.store.get(SessionRow, session_id)
-            if row is None:
+            if row is None or not self.owns(row.tenant_id):
                 raise NotFoundError(f"session_id {session_id!r} not found")
             status = row.status if row.status != "active" else "ended"
         raise SessionGoneError(
@@ -212,7 +283,7 @@ class Service:
 
     def require_model(self, model_id: str, field: str = "model_id") -> ModelRow:
         row = self._model_row(model_id)
-        if row is None:
+        if row is None or not self.owns(row.tenant_id):
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.require_session(row.session_id)
         worker = self.workers.get(row.base_model)
@@ -229,9 +300,12 @@ class Service:
         row = self.require_model(model_id)
         rid = new_id()
         self.board.expect(rid, "unload")
+        self._note_owner(rid, row.tenant_id)
         values = {
             "request_id": rid,
             "kind": "unload",
+            "tenant_id": row.tenant_id,
+            "base_model": row.base_model,
             "session_id": row.session_id,
             "model_id": model_id,
         }
@@ -256,6 +330,7 @@ class Service:
                 (ModelRow.run_id == run_or_model_id) | (ModelRow.model_id == run_or_model_id)
             )
         )
+        rows = [r for r in rows if self.owns(r.tenant_id)]
         if not rows:
             raise NotFoundError(f"training run {run_or_model_id!r} not found")
         return rows[0]
@@ -272,11 +347,16 @@ class Service:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             return model_id
+        tenant = current_tenant()
+        quotas = self.quotas_of(tenant)
+        check_rank(quotas, int(lora.get("rank") or 0))
+        self._check_adapter_slot(tenant, quotas)
         now = utcnow()
         values = {
             "model_id": model_id,
             "run_id": new_id(),
             "session_id": session_id,
+            "tenant_id": tenant.tenant_id,
             "base_model": base_model,
             "lora_config": lora,
             "user_metadata": user_metadata,
@@ -302,7 +382,9 @@ class Service:
         future is filed in its place (a resubmission finds it), then the 400 goes out."""
         try:
             yield
-        except InvalidRequestError as e:
+        except (InvalidRequestError, QuotaError) as e:
+            if isinstance(e, QuotaError) and e.retry_after_s is not None:
+                raise  # cleared by waiting: the SDK sends this very request again
             if seq_id is not None:
                 try:
                     await self.submit(
@@ -349,11 +431,32 @@ class Service:
                 if (found := await self._filed_in_db(key)) is not None:
                     return found
                 raise
+        tenant = current_tenant()
+        tenant_id = self.session_tenant.get(session_id or "", tenant.tenant_id)
+        base_model = getattr(worker, "name", None)  # the served model (prices are per model)
+        if kind != "skip":
+            try:
+                quota = self.quotas_of(tenant).max_tokens_per_request
+                limits.check_request(self.config.limits, quota, base_model, kind, payload)
+            except (InvalidRequestError, QuotaError) as e:
+                if kind in TRAIN_KINDS:  # the seq_id is spent: later requests must not wait
+                    await self.submit(
+                        worker,
+                        "skip",
+                        str(e),
+                        session_id=session_id,
+                        model_id=model_id,
+                        seq_id=seq_id,
+                    )
+                raise
+            self.rate.take(tenant.tenant_id, self.quotas_of(tenant).requests_per_minute)
         rid = new_id()
         op = Op(rid, kind, model_id, seq_id, payload)
         values = {
             "request_id": rid,
             "kind": kind,
+            "tenant_id": tenant_id,
+            "base_model": base_model,
             "session_id": session_id,
             "model_id": model_id,
             "sampling_session_id": sampling_session_id,
@@ -361,6 +464,7 @@ class Service:
             "dedup_key": key,
         }
         self.board.expect(rid, kind)
+        self._note_owner(rid, tenant_id)
         committed = self.journal.run(
             functools.partial(insert_request, values=values), then=lambda _: worker.submit(op)
         )
@@ -375,6 +479,11 @@ class Service:
             if (found := await self._filed_in_db(key)) is not None:
                 return found
             raise
+
+    def _note_owner(self, request_id: str, tenant_id: str) -> None:
+        self.request_tenant[request_id] = tenant_id
+        while len(self.request_tenant) > MAX_REQUEST_OWNERS:
+            self.request_tenant.popitem(last=False)
 
     def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:
         if not committed.cancelled() and committed.exception() is None:
@@ -414,16 +523,23 @@ class Service:
     async def retrieve(self, request_id: str, want_proto: bool) -> tuple[bytes, str]:
         """Long-poll a future: → (body, content type) of its result, error or try_again."""
         filed = self.board.get(request_id)
-        if filed is not None:
+        owner = self.request_tenant.get(request_id)
+        if filed is not None and owner is not None:
+            if not self.owns(owner):
+                raise NotFoundError(f"request_id {request_id!r} not found")
             outcome = await self.board.wait(filed, self.config.long_poll_s)
             if outcome is None:
                 return _try_again(request_id)
             self.board.delivered(request_id)
+            self.request_tenant.pop(request_id, None)
             return _reply(request_id, filed.kind, outcome, want_proto)
         # Not in memory: a future of a previous run, or one delivered already.
         row = await self.journal.run(functools.partial(request_row, request_id=request_id))
-        if row is None:
+        if row is None or not self.owns(row["tenant_id"]):
             raise NotFoundError(f"request_id {request_id!r} not found")
+        if filed is not None:  # ours, in memory, but its owner was forgotten: now checked
+            self._note_owner(request_id, row["tenant_id"])
+            return await self.retrieve(request_id, want_proto)
         if row["status"] == "pending":
             # Pending futures stay in memory until their outcome is committed; one pending on
             # disk only was answered already, with the error that its result was not recorded.
@@ -439,12 +555,16 @@ class Service:
         row = self.samplers.get(sampling_session_id)
         if row is None:  # made by a snapshot on the engine thread, or by a previous run
             row = await self._read(self.store.get, SamplingSessionRow, sampling_session_id)
-            if row is None:
+            if row is None or not self.owns(row.tenant_id):
                 raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
             self.samplers[sampling_session_id] = row
+        if not self.owns(row.tenant_id):
+            raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
         return row
 
-    async def create_sampling_session(self, body: Any) -> str:
+    async def create_sampling_session(self, body: Any, source: Any = None) -> str:
+        """`source`: a model package version fetched to a folder (registry.load_source), for
+        a model_path whose plain folder is not on this server (encrypted, or in S3)."""
         self.require_session(body.session_id)
         key = (body.session_id, body.sampling_session_seq_id)
         existing = await self.journal.run(functools.partial(sampling_session_id_of, key=key))
@@ -452,13 +572,14 @@ class Service:
             return existing
         sid = new_id()
         if body.model_path:
-            ckpt = await self.checkpoint(body.model_path, "model_path")
+            ckpt = source or await self.checkpoint(body.model_path, "model_path")
             base = ckpt.base_model
             if body.base_model and body.base_model != base:
                 raise InvalidRequestError(
                     f"base_model: {body.base_model!r} does not match the checkpoint's {base!r}"
                 )
             self.require_base_model(base)
+            self._check_adapter_slot(current_tenant(), self.quotas_of(current_tenant()))
             ref = f"sampler:{sid}"
             ex = self.executors[base]
             await asyncio.wrap_future(
@@ -471,6 +592,7 @@ class Service:
         values = {
             "sampling_session_id": sid,
             "session_id": body.session_id,
+            "tenant_id": current_tenant().tenant_id,
             "seq_id": body.sampling_session_seq_id,
             "base_model": base,
             "model_path": body.model_path,
@@ -485,7 +607,7 @@ class Service:
     async def checkpoint(self, path: str, field: str = "path") -> CheckpointRow:
         artifacts.parse_tinker_path(path, field)
         row = await self._read(self.store.get, CheckpointRow, path)
-        if row is None:
+        if row is None or not self.owns(row.tenant_id):
             raise NotFoundError(f"{field}: checkpoint {path!r} not found")
         return row
 
@@ -511,8 +633,10 @@ def _reply(request_id: str, kind: str, outcome: Any, want_proto: bool) -> tuple[
         return json.dumps(outcome["error"]).encode(), JSON_TYPE
     result, content_type = outcome["result"], outcome["content_type"]
     if content_type == PROTO_TYPE and not want_proto:
-        return _proto_as_json(request_id, kind, result), JSON_TYPE
-    return result, content_type
+        result, content_type = _proto_as_json(request_id, kind, result), JSON_TYPE
+    if kind not in METERED_KINDS:
+        return result, content_type
+    return with_usage(result, content_type, usage_of(outcome)), content_type
 
 
 def _proto_as_json(request_id: str, kind: str, result: bytes) -> bytes:

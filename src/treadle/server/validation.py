@@ -7,6 +7,7 @@ with category "user".
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -109,15 +110,13 @@ def to_engine_sample_request(
         raise InvalidRequestError(
             f"num_samples: expected 1..{MAX_NUM_SAMPLES}, got {req.num_samples}"
         )
-    for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if getattr(req, field):
-            raise InvalidRequestError(f"{field}: not supported by this server (send 0)")
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        k = getattr(req, field)
+        if not 0 <= k <= vocab_size:
+            raise InvalidRequestError(f"{field}: expected 0..{vocab_size}, got {k}")
+    target_ids = None
     if req.target_prompt_logprobs is not None:
-        raise InvalidRequestError("target_prompt_logprobs: not supported by this server")
-    if req.topk_prompt_logprobs < 0:
-        raise InvalidRequestError(
-            f"topk_prompt_logprobs: expected >= 0, got {req.topk_prompt_logprobs}"
-        )
+        target_ids = target_prompt_ids(req.target_prompt_logprobs, P, vocab_size)
     if req.prompt_logprobs_last_n is not None:
         if not req.prompt_logprobs:
             raise InvalidRequestError("prompt_logprobs_last_n: needs prompt_logprobs=true")
@@ -159,7 +158,69 @@ def to_engine_sample_request(
         adapter=adapter,
         prompt_logprobs=bool(req.prompt_logprobs),
         topk_prompt_logprobs=req.topk_prompt_logprobs,
+        target_prompt_ids=target_ids,
+        topk_sample_logprobs=req.topk_sample_logprobs,
+        prompt_alt_tokens_k=req.prompt_alt_tokens_k,
     )
+
+
+def target_prompt_ids(td: dict[str, Any], prompt_len: int, vocab_size: int) -> np.ndarray:
+    """The SDK's target_prompt_logprobs TensorData JSON → (P-1, K) int64 ids, -1 = none.
+
+    Dense: `data` holds all P-1 rows of K. Sparse CSR (TensorData.from_torch_sparse with
+    pad -1): `sparse_crow_indices` / `sparse_col_indices` list the requested cells and `data`
+    their ids; every other cell asks for nothing.
+    """
+    field = "target_prompt_logprobs"
+    if td.get("dtype") != "int64":
+        raise InvalidRequestError(
+            f"{field}.dtype: expected int64 token ids, got {td.get('dtype')!r}"
+        )
+    shape = td.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or shape[0] != prompt_len - 1:
+        raise InvalidRequestError(
+            f"{field}.shape: expected [{prompt_len - 1}, K] (prompt length - 1 rows), got {shape}"
+        )
+    rows, K = int(shape[0]), int(shape[1])
+    if K < 1:
+        raise InvalidRequestError(f"{field}.shape: expected K >= 1 columns, got {shape}")
+    try:
+        values = np.asarray(td.get("data") or [], dtype=np.int64)
+        crow, col = td.get("sparse_crow_indices"), td.get("sparse_col_indices")
+        if crow is None:
+            if values.size != rows * K:
+                raise InvalidRequestError(
+                    f"{field}.data: shape {shape} needs {rows * K} ids, got {values.size}"
+                )
+            ids = values.reshape(rows, K)
+        else:
+            crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+            ok = (
+                crow_a.shape == (rows + 1,)
+                and crow_a[0] == 0
+                and (np.diff(crow_a) >= 0).all()
+                and crow_a[-1] == col_a.size == values.size
+                and ((col_a >= 0) & (col_a < K)).all()
+            )
+            if not ok:
+                raise InvalidRequestError(
+                    f"{field}: inconsistent sparse CSR (crow {crow_a.size} entries for {rows} "
+                    f"rows, {col_a.size} columns, {values.size} values, K={K})"
+                )
+            ids = np.full((rows, K), -1, dtype=np.int64)  # (P-1, K)
+            ids[np.repeat(np.arange(rows), np.diff(crow_a)), col_a] = values
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"{field}: expected integer token ids ({e})") from e
+    bad = np.flatnonzero(((ids < -1) | (ids >= vocab_size)).reshape(-1))
+    if bad.size:
+        r, c = divmod(int(bad[0]), K)
+        raise InvalidRequestError(
+            f"{field}[{r}][{c}]: token id {int(ids[r, c])} is outside the vocabulary "
+            f"[0, {vocab_size}) (-1 asks for nothing)"
+        )
+    return ids
 
 
 def _prompt_tokens(prompt: ModelInput) -> list[int]:

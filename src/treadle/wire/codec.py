@@ -326,11 +326,19 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
         )
         if seq.logprobs is not None:
             s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_logprobs is not None:
+            s.topk_sampled_logprobs.CopyFrom(_topk_to_proto(seq.topk_logprobs))
     if resp.prompt_logprobs is not None:
         lps = [math.nan if lp is None else lp for lp in resp.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(lps, dtype="<f4").tobytes()
     if resp.topk_prompt_logprobs is not None:
         msg.topk_prompt_logprobs.CopyFrom(_topk_to_proto(resp.topk_prompt_logprobs))
+    if resp.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(tensor_to_proto(resp.target_prompt_logprobs))
+    if resp.prompt_alt_tokens is not None:
+        ids, lps = resp.prompt_alt_tokens
+        msg.prompt_alt_tokens.tokens.CopyFrom(tensor_to_proto(ids))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(tensor_to_proto(lps))
     return msg.SerializeToString()
 
 
@@ -343,6 +351,9 @@ def decode_sample_response(body: bytes) -> SampleResponse:
             logprobs=np.frombuffer(s.logprobs, dtype="<f4").tolist()
             if s.HasField("logprobs")
             else None,
+            topk_logprobs=[row or [] for row in _topk_from_proto(s.topk_sampled_logprobs)]
+            if s.HasField("topk_sampled_logprobs")
+            else None,
         )
         for s in msg.sequences
     ]
@@ -353,6 +364,19 @@ def decode_sample_response(body: bytes) -> SampleResponse:
     topk = (
         _topk_from_proto(msg.topk_prompt_logprobs) if msg.HasField("topk_prompt_logprobs") else None
     )
+    target = None
+    if msg.HasField("target_prompt_logprobs"):
+        target = tensor_from_proto(msg.target_prompt_logprobs, "target_prompt_logprobs")
+    alt = None
+    if msg.HasField("prompt_alt_tokens"):
+        alt = (
+            tensor_from_proto(msg.prompt_alt_tokens.tokens, "prompt_alt_tokens.tokens"),
+            tensor_from_proto(msg.prompt_alt_tokens.logprobs, "prompt_alt_tokens.logprobs"),
+        )
     return SampleResponse(
-        sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk
+        sequences=sequences,
+        prompt_logprobs=prompt_logprobs,
+        topk_prompt_logprobs=topk,
+        target_prompt_logprobs=target,
+        prompt_alt_tokens=alt,
     )

@@ -18,7 +18,6 @@ from treadle.types import (
     ModelInput,
     SamplingParams,
     SupportedModel,
-    TensorData,
     TrainingRun,
 )
 
@@ -149,6 +148,9 @@ class CreateModelRequest(_Body):
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # treadle: saves of this model become versions of this model package group
+    model_package_group: str | None = None
+    output_path: str | None = None  # s3://bucket/prefix or a server folder
     type: Literal["create_model"] = "create_model"
 
 
@@ -208,6 +210,7 @@ class SaveWeightsForSamplerRequest(_Body):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
+    merge_weights: bool = False  # treadle: also publish a merged HF model version
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
@@ -225,6 +228,9 @@ class LoadWeightsRequest(_Body):
     optimizer: bool = False
     optimizer_config: OptimizerConfig | None = None
     weights_access_token: str | None = None
+    # treadle, create-via-load: bind the new model to a model package group
+    model_package_group: str | None = None
+    output_path: str | None = None
     type: Literal["load_weights"] = "load_weights"
 
 
@@ -321,7 +327,8 @@ class SampleRequest(_Body):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
-    target_prompt_logprobs: TensorData | None = None
+    # the SDK's TensorData JSON, dense or sparse CSR: validation.target_prompt_ids reads it
+    target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
-from treadle.server import handlers
-from treadle.server.deps import ServiceDep
+from treadle.server import handlers, registry
+from treadle.server.deps import ServiceDep, TenantDep
+from treadle.server.routes.weights import request_key
 from treadle.wire.requests import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -20,12 +23,27 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(
-    body: CreateSamplingSessionRequest, svc: ServiceDep
+    body: CreateSamplingSessionRequest, svc: ServiceDep, tenant: TenantDep, request: Request
 ) -> CreateSamplingSessionResponse:
-    """Sample from a base model, or from a saved checkpoint (loaded into memory here)."""
-    return CreateSamplingSessionResponse(
-        sampling_session_id=await svc.create_sampling_session(body)
-    )
+    """Sample from a base model, or from a saved checkpoint (loaded into memory here): a
+    tinker:// path or a model package version GROUP:N, fetched and decrypted when needed."""
+    source = None
+    if body.model_path:
+        source = await asyncio.to_thread(
+            registry.load_source,
+            svc.store,
+            registry.packages_root(svc.config),
+            tenant.tenant_id,
+            body.model_path,
+            request_key(request),
+            False,
+        )
+    try:
+        sid = await svc.create_sampling_session(body, source)
+    finally:
+        if source is not None and source.cleanup:
+            shutil.rmtree(source.dir, ignore_errors=True)
+    return CreateSamplingSessionResponse(sampling_session_id=sid)
 
 
 @router.get("/samplers/{sampler_id}")

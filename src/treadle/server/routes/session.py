@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from treadle.errors import NotFoundError
 from treadle.server.db import ModelRow, SamplingSessionRow, SessionRow
-from treadle.server.deps import ServiceDep
+from treadle.server.deps import ServiceDep, TenantDep
 from treadle.server.service import SessionGoneError
 from treadle.types import SupportedModel
 from treadle.wire.requests import (
@@ -90,17 +90,23 @@ async def telemetry(body: OptionalJson = None) -> TelemetryResponse:
 
 
 @router.get("/sessions")
-def list_sessions(svc: ServiceDep, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
+def list_sessions(
+    svc: ServiceDep, tenant: TenantDep, limit: int = 20, offset: int = 0
+) -> ListSessionsResponse:
     rows = svc.store.query(
-        select(SessionRow).order_by(SessionRow.created_at.desc()).offset(offset).limit(limit)
+        select(SessionRow)
+        .where(SessionRow.tenant_id == tenant.tenant_id)
+        .order_by(SessionRow.created_at.desc())
+        .offset(offset)
+        .limit(limit)
     )
     return ListSessionsResponse(sessions=[r.session_id for r in rows])
 
 
 @router.get("/sessions/{session_id}")
-def get_session(session_id: str, svc: ServiceDep) -> GetSessionResponse:
+def get_session(session_id: str, svc: ServiceDep, tenant: TenantDep) -> GetSessionResponse:
     row = svc.store.get(SessionRow, session_id)
-    if row is None:
+    if row is None or row.tenant_id != tenant.tenant_id:
         raise NotFoundError(f"session_id {session_id!r} not found")
     models = svc.store.query(select(ModelRow).where(ModelRow.session_id == session_id))
     samplers = svc.store.query(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import io
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Response
 
-from treadle.errors import NotFoundError
-from treadle.server.deps import ServiceDep
+from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.server import metering
+from treadle.server.deps import ServiceDep, TenantDep
 
 router = APIRouter(prefix="/api/v1/treadle")
 
@@ -43,3 +45,20 @@ def get_tokenizer(name: str, svc: ServiceDep) -> Response:
             if (folder / fname).is_file():
                 zf.write(folder / fname, arcname=fname)
     return Response(content=buf.getvalue(), media_type="application/zip")
+
+
+@router.get("/usage")
+def get_usage(
+    svc: ServiceDep, tenant: TenantDep, since: str | None = None, by: str | None = None
+) -> dict[str, Any]:
+    """The caller's tenant's metered tokens and their cost (treadle.server.metering):
+    totals, or rows `by` session, day or model; `since` a date or ISO time (UTC)."""
+    try:
+        when = metering.parse_since(since)
+        if by is not None and by not in metering.GROUPINGS:
+            raise ValueError(f"by: expected one of {list(metering.GROUPINGS)}, got {by!r}")
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
+    return metering.usage_report(
+        svc.store.engine, svc.config.prices, tenant_id=tenant.tenant_id, since=when, by=by
+    )

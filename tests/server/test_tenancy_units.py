@@ -1,0 +1,139 @@
+"""Tenancy pieces in-process, without a server: keys and development mode, quota
+precedence, the rate window, the usage field of protobuf results, usage reports.
+
+    .venv/bin/python -m pytest -q tests/server/test_tenancy_units.py
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+
+from treadle.server import auth, metering, tenants
+from treadle.server.config import Price
+from treadle.server.db import RequestRow, Store, insert_row
+from treadle.server.quotas import QuotaError, Quotas, RateLimiter
+from treadle.types import SampledSequence, SampleResponse
+from treadle.wire import codec
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(f"sqlite:///{tmp_path / 'treadle.db'}")
+    yield s
+    s.close()
+
+
+def test_keys_are_stored_hashed_and_development_mode_ends_with_the_first_tenant(store, monkeypatch):
+    monkeypatch.setattr(auth, "TENANT_RECHECK_S", 0.0)
+    ring = auth.KeyRing(store.engine)
+    assert ring.dev_mode and ring.authenticate(None) == auth.DEV_TENANT
+    tenants.create_tenant(store, "acme", {"max_lora_rank": 8})
+    key, row = tenants.create_key(store, "acme")
+    assert key.startswith("tml-") and len(key) > 40
+    assert row.key_hash == auth.hash_key(key) and key not in str(tenants.list_tenants(store))
+    with pytest.raises(auth.AuthError, match="missing API key"):
+        ring.authenticate(None)  # the running server noticed the tenant
+    tenant = ring.authenticate(key)
+    assert tenant.name == "acme" and ring.quotas_seen[tenant.tenant_id] == {"max_lora_rank": 8}
+    tenants.revoke_key(store, key[: auth.KEY_ID_CHARS])
+    with pytest.raises(auth.AuthError, match="revoked"):
+        ring.authenticate(key)
+    with pytest.raises(auth.AuthError, match="not recognised"):
+        ring.authenticate(auth.new_key())
+
+
+def test_request_key_headers():
+    assert auth.request_key([(b"x-api-key", b"tml-a")]) == "tml-a"
+    assert auth.request_key([(b"authorization", b"Bearer tml-b")]) == "tml-b"
+    both = [(b"authorization", b"Bearer tml-b"), (b"x-api-key", b"tml-a")]
+    assert auth.request_key(both) == "tml-a"
+    assert auth.request_key([(b"authorization", b"Basic abc")]) is None
+
+
+def test_quota_precedence_and_clearing(store):
+    defaults = Quotas(max_concurrent_sessions=8, requests_per_minute=100)
+    config = defaults.overlay({"requests_per_minute": 50, "max_lora_rank": 16})
+    assert (config.max_concurrent_sessions, config.requests_per_minute) == (8, 50)
+    tenants.create_tenant(store, "acme", {"requests_per_minute": 10})
+    row = tenants.set_quotas(store, "acme", {"max_lora_rank": 4, "requests_per_minute": None})
+    assert row.quotas == {"requests_per_minute": 10, "max_lora_rank": 4}
+    effective = config.overlay(row.quotas)
+    assert (effective.requests_per_minute, effective.max_lora_rank) == (10, 4)
+    row = tenants.set_quotas(store, "acme", {"requests_per_minute": 0})  # 0 clears
+    assert config.overlay(row.quotas).requests_per_minute == 50
+    with pytest.raises(ValueError):
+        Quotas(max_lora_rank=0)
+
+
+def test_rate_window_slides():
+    rate = RateLimiter(window_s=0.3)
+    for _ in range(3):
+        rate.take("t", 3)
+    with pytest.raises(QuotaError, match=r"requests_per_minute \(3\)") as over:
+        rate.take("t", 3)
+    assert 0 < over.value.retry_after_s <= 0.3 and "Retry-After" in over.value.http_headers
+    rate.take("other", 3)  # per tenant
+    time.sleep(0.35)
+    rate.take("t", 3)
+
+
+def test_usage_field_is_invisible_to_protobuf_parsers():
+    resp = SampleResponse(
+        sequences=[SampledSequence(stop_reason="length", tokens=[1, 2, 3], logprobs=[-1.0] * 3)]
+    )
+    body = codec.encode_sample_response(resp)
+    usage = {"prefill_tokens": 300, "sample_tokens": 3, "train_tokens": 2**40}
+    tagged = metering.with_usage(body, "application/x-protobuf", usage)
+    assert metering.proto_usage(tagged) == usage and metering.proto_usage(body) is None
+    assert codec.decode_sample_response(tagged).sequences[0].tokens == [1, 2, 3]
+    as_json = metering.with_usage(b'{"metrics": {}}', "application/json", usage)
+    assert as_json == b'{"metrics": {}, "usage": ' + str(usage).replace("'", '"').encode() + b"}"
+
+
+def test_usage_report_groups_and_prices(store):
+    day1 = dt.datetime(2026, 11, 1, 12, tzinfo=dt.UTC)
+    day2 = dt.datetime(2026, 11, 2, 12, tzinfo=dt.UTC)
+    rows = [  # (tenant, session, model, prefill, sample, train, status, finished)
+        ("a", "s1", "m1", 10, 5, 0, "done", day1),
+        ("a", "s1", "m1", 0, 0, 100, "done", day1),
+        ("a", "s2", "m2", 7, 3, 0, "done", day2),
+        ("a", "s2", "m2", 0, 0, 999, "failed", day2),  # failed: not metered
+        ("b", "s3", "m1", 1000, 0, 0, "done", day2),
+    ]
+    with store.engine.begin() as conn:
+        for i, (t, s, m, p, g, tr, status, when) in enumerate(rows):
+            values = {
+                "request_id": f"r{i}",
+                "kind": "sample",
+                "tenant_id": t,
+                "session_id": s,
+                "base_model": m,
+                "prompt_tokens": p,
+                "sampled_tokens": g,
+                "train_tokens": tr,
+                "status": status,
+                "finished_at": when,
+            }
+            insert_row(conn, RequestRow, values)
+    prices = {"m1": Price(prefill=1.0, sample=2.0, train=3.0)}
+    report = metering.usage_report(store.engine, prices, tenant_id="a", by="model")
+    assert [(r["key"], r["prefill_tokens"], r["train_tokens"]) for r in report["rows"]] == [
+        ("m1", 10, 100),
+        ("m2", 7, 0),
+    ]
+    assert report["total"]["cost_usd"] == pytest.approx((10 * 1 + 5 * 2 + 100 * 3) / 1e6)
+    assert report["unpriced_models"] == ["m2"]
+    by_day = metering.usage_report(store.engine, prices, "a", by="day")
+    assert [(r["key"], r["requests"]) for r in by_day["rows"]] == [
+        ("2026-11-01", 2),
+        ("2026-11-02", 1),
+    ]
+    since = metering.parse_since("2026-11-02")
+    late = metering.usage_report(store.engine, prices, "a", since=since, by="session")
+    assert [r["key"] for r in late["rows"]] == ["s2"]
+    everyone = metering.usage_report(store.engine, prices)
+    assert {r["key"]: r["prefill_tokens"] for r in everyone["rows"]} == {"a": 17, "b": 1000}
+    assert "total" in metering.format_report(everyone)

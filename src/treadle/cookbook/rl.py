@@ -230,15 +230,11 @@ def evaluate(
 # ---- the loop -----------------------------------------------------------------------------
 
 
-def train_rl(
-    config: RLConfig,
-    make_dataset: Callable[[Any], RLDataset],
-    service=None,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-) -> RunDir:
-    """Run (or resume) GRPO; `make_dataset(tokenizer)` builds the data once the model's
-    tokenizer is known; `on_step(step, metrics)` sees each step's metrics (e.g. to print a
-    table). Returns the run folder with its metrics."""
+def open_rl_run(
+    config: RLConfig, make_dataset: Callable[[Any], RLDataset], service=None
+) -> tuple[RunDir, Any, int, RLDataset]:
+    """The run folder, its training client (resumed, loaded or new), the first step and the
+    data set: what every RL loop starts with."""
     from treadle import ServiceClient
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
@@ -253,8 +249,10 @@ def train_rl(
         config.load_checkpoint_path,
         config.load_optimizer,
     )
-    dataset = make_dataset(training_client.get_tokenizer())
-    sampling_client = training_client.save_weights_and_get_sampling_client()
+    return run, training_client, start_step, make_dataset(training_client.get_tokenizer())
+
+
+def sampling_and_adam(config: RLConfig) -> tuple[SamplingParams, AdamParams]:
     params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
     adam = AdamParams(
         learning_rate=config.learning_rate,
@@ -263,6 +261,21 @@ def train_rl(
         eps=1e-8,
         grad_clip_norm=config.grad_clip_norm,
     )
+    return params, adam
+
+
+def train_rl(
+    config: RLConfig,
+    make_dataset: Callable[[Any], RLDataset],
+    service=None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> RunDir:
+    """Run (or resume) GRPO; `make_dataset(tokenizer)` builds the data once the model's
+    tokenizer is known; `on_step(step, metrics)` sees each step's metrics (e.g. to print a
+    table). Returns the run folder with its metrics."""
+    run, training_client, start_step, dataset = open_rl_run(config, make_dataset, service)
+    sampling_client = training_client.save_weights_and_get_sampling_client()
+    params, adam = sampling_and_adam(config)
     bar = step_bar("rl", start_step, config.max_steps)
     for step in bar:
         metrics: dict[str, float] = {}

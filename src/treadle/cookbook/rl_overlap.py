@@ -28,16 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from treadle import AdamParams, Datum, SamplingParams
+from treadle import Datum, SamplingParams
 from treadle.cookbook.rl import (
     RLConfig,
     evaluate,
     group_advantages,
+    open_rl_run,
     rollout_groups,
+    sampling_and_adam,
     trajectory_to_datum,
 )
 from treadle.cookbook.rl_types import EnvGroupBuilder, RLDataset, Trajectory
-from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar
+from treadle.cookbook.run_dir import RunDir, step_bar
 from treadle.errors import InvalidRequestError
 
 
@@ -254,30 +256,9 @@ def train_rl_overlapped(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> RunDir:
     """Run (or resume) the overlapped loop; same contract as rl.train_rl."""
-    from treadle import ServiceClient
-
     ledger = GroupLedger(config.max_steps_off_policy, config.stale_policy)
-    run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
-    svc = service or ServiceClient(base_url=config.base_url)
-    training_client, start_step, _ = open_training_client(
-        svc,
-        run,
-        config.model,
-        config.lora_rank,
-        config.lora_alpha,
-        config.seed,
-        config.load_checkpoint_path,
-        config.load_optimizer,
-    )
-    dataset = make_dataset(training_client.get_tokenizer())
-    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
-    adam = AdamParams(
-        learning_rate=config.learning_rate,
-        beta1=config.adam_beta1,
-        beta2=config.adam_beta2,
-        eps=1e-8,
-        grad_clip_norm=config.grad_clip_norm,
-    )
+    run, training_client, start_step, dataset = open_rl_run(config, make_dataset, service)
+    params, adam = sampling_and_adam(config)
     sampling_client = training_client.save_weights_and_get_sampling_client()
     pool = RolloutPool(dataset, config, params)
     pool.start(sampling_client, start_step, start_step)

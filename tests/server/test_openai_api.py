@@ -343,3 +343,10 @@ def test_bad_input_gets_a_400_naming_the_field_in_openai_shape(client, url):
     # the Tinker routes keep their own error shape
     resp = httpx.post(f"{url}/api/v1/asample", json={"prompt": 1}, timeout=WAIT)
     assert resp.status_code == 400 and resp.json()["category"] == "user"
+    # routing's own errors too: an unknown /v1 route, a wrong method
+    resp = httpx.post(f"{url}/v1/embeddings", json={"model": TINY, "input": "x"}, timeout=WAIT)
+    assert resp.status_code == 404 and "/v1/embeddings" in resp.json()["error"]["message"]
+    resp = httpx.get(f"{url}/v1/chat/completions", timeout=WAIT)
+    assert resp.status_code == 405 and resp.json()["error"]["type"]
+    resp = httpx.get(f"{url}/api/v1/no_such_route", timeout=WAIT)
+    assert resp.status_code == 404 and resp.json()["category"] == "user"

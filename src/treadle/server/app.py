@@ -15,7 +15,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.errors import (
     ConflictError,
@@ -104,6 +105,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_exception_handler(TreadleError, _handle_error)
     app.add_exception_handler(Exception, _handle_error)
     app.add_exception_handler(RequestValidationError, _handle_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _handle_http_error)
     app.add_middleware(TenantMiddleware)
     return app
 
@@ -144,6 +146,16 @@ def _error_response(request: Request, message: str, category: str, status: int) 
     if openai_errors.is_openai_path(request.url.path):
         return openai_errors.error_response(message, status)
     return JSONResponse({"error": message, "category": category}, status_code=status)
+
+
+async def _handle_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Routing's own errors (unknown route, wrong method) in our shapes, not FastAPI's."""
+    if exc.status_code in (204, 304):
+        return Response(status_code=exc.status_code, headers=exc.headers)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    response = _error_response(request, message, "user", exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

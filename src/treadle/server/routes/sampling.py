@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from treadle.server import handlers, registry
+from treadle.server import handlers
 from treadle.server.deps import ServiceDep, TenantDep
-from treadle.server.routes.weights import request_key
+from treadle.server.routes.weights import fetch_source
 from treadle.wire.requests import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -29,15 +28,7 @@ async def create_sampling_session(
     tinker:// path or a model package version GROUP:N, fetched and decrypted when needed."""
     source = None
     if body.model_path:
-        source = await asyncio.to_thread(
-            registry.load_source,
-            svc.store,
-            registry.packages_root(svc.config),
-            tenant.tenant_id,
-            body.model_path,
-            request_key(request),
-            False,
-        )
+        source = await fetch_source(svc, tenant.tenant_id, body.model_path, request, False)
     try:
         sid = await svc.create_sampling_session(body, source)
     finally:

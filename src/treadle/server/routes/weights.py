@@ -53,6 +53,18 @@ def request_key(request: Request) -> bytes | None:
     return encryption.parse_key(request.headers.get(encryption.HEADER))
 
 
+async def fetch_source(
+    svc: Any, tenant_id: str, path: str, request: Request, optimizer: bool
+) -> registry.LoadSource | None:
+    """registry.load_source off the event loop (it may download and decrypt) with the
+    request's key; None for a plain tinker:// checkpoint on this server's disk."""
+    root = registry.packages_root(svc.config)
+    key = request_key(request)
+    return await asyncio.to_thread(
+        registry.load_source, svc.store, root, tenant_id, path, key, optimizer
+    )
+
+
 def _owned(stmt: Any, table: Any, tenant_id: str) -> Any:
     """Filter by tenant when the table carries tenant_id (the tenants work adds it)."""
     column = getattr(table, "tenant_id", None)
@@ -105,15 +117,7 @@ async def load_weights(
     body: LoadWeightsRequest, svc: ServiceDep, tenant: TenantDep, request: Request
 ) -> dict[str, Any]:
     """`path`: a tinker:// checkpoint, or a model package version GROUP:N / GROUP:latest."""
-    source = await asyncio.to_thread(
-        registry.load_source,
-        svc.store,
-        registry.packages_root(svc.config),
-        tenant.tenant_id,
-        body.path,
-        request_key(request),
-        body.optimizer,
-    )
+    source = await fetch_source(svc, tenant.tenant_id, body.path, request, body.optimizer)
     try:
         return await handlers.load_weights(svc, body, source=source)
     except BaseException:

@@ -123,8 +123,10 @@ def test_rl_kl_penalty_against_the_base_model(run_cookbook, tmp_path, treadle_se
     )  # fmt: skip
     kl = [m["kl_policy_base"] for m in metrics_of(log) if "kl_policy_base" in m]
     assert len(kl) == 2
-    # before any update the policy is the base model: its sampler and the reference agree
-    assert abs(kl[0]) < 1e-4 and kl[1] > kl[0], kl
+    # before any update the policy is the base model: its sampler and the reference agree;
+    # after one (lr 1e-2) they differ. kl_policy_base is a sample estimate (mean log-ratio
+    # of 4 x 6 sampled tokens), so its sign after the update is not fixed, only its size.
+    assert abs(kl[0]) < 1e-4 and abs(kl[1]) > 1e-3, kl
 
 
 def test_dpo_forward_backward_custom(run_cookbook, tmp_path, treadle_server):

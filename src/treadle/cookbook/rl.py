@@ -304,12 +304,7 @@ def train_rl(
             "time/train_s": t2 - t1,
             **{f"train/{k}": v for k, v in stats.items()},
         }
-        run.log_metrics(step, metrics)
-        if on_step:
-            on_step(step, metrics)
-        if config.save_every and (step + 1) % config.save_every == 0:
-            state = training_client.save_state(f"step-{step + 1:06d}").result().path
-            run.log_checkpoint(step + 1, state_path=state)
+        record_step(run, training_client, config, step, metrics, on_step)
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
     final = _final_eval(sampling_client, dataset, config)
     if final:
@@ -317,6 +312,23 @@ def train_rl(
         if on_step:
             on_step(config.max_steps, final)
     return run
+
+
+def record_step(
+    run: RunDir,
+    training_client,
+    config: RLConfig,
+    step: int,
+    metrics: dict[str, float],
+    on_step: Callable[[int, dict[str, float]], None] | None,
+) -> None:
+    """A step's metrics to the run folder and the caller, and its checkpoint when due."""
+    run.log_metrics(step, metrics)
+    if on_step:
+        on_step(step, metrics)
+    if config.save_every and (step + 1) % config.save_every == 0:
+        state = training_client.save_state(f"step-{step + 1:06d}").result().path
+        run.log_checkpoint(step + 1, state_path=state)
 
 
 def _final_eval(sampling_client, dataset: RLDataset, config: RLConfig) -> dict[str, float]:

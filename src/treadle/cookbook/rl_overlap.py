@@ -34,6 +34,7 @@ from treadle.cookbook.rl import (
     evaluate,
     group_advantages,
     open_rl_run,
+    record_step,
     rollout_groups,
     sampling_and_adam,
     trajectory_to_datum,
@@ -274,12 +275,7 @@ def train_rl_overlapped(
             metrics |= _train_step(step, config, pool, ledger, training_client, adam)
             sampling_client = training_client.save_weights_and_get_sampling_client()
             pool.publish(sampling_client, step + 1)
-            run.log_metrics(step, metrics)
-            if on_step:
-                on_step(step, metrics)
-            if config.save_every and (step + 1) % config.save_every == 0:
-                state = training_client.save_state(f"step-{step + 1:06d}").result().path
-                run.log_checkpoint(step + 1, state_path=state)
+            record_step(run, training_client, config, step, metrics, on_step)
             bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if config.eval_every and dataset.test_groups():
             final = evaluate(

@@ -22,6 +22,10 @@ from treadle.server.db import Store
 def test_version_references():
     assert registry.parse_ref("math-sft:7") == ("math-sft", 7)
     assert registry.parse_ref("g.v2_x:latest") == ("g.v2_x", None)
+    # the server tells references from paths (the SDK sends either as model_path)
+    assert registry.is_ref("math-sft:3") and registry.is_ref("math-sft:latest")
+    for path in ("tinker://run/sampler_weights/x", "/abs/folder", "g:abc", "a/b:1"):
+        assert not registry.is_ref(path)
     for bad in ("tinker://run/weights/x", "s3://b/k", "g", "g:", "g:x", ":1", "a:b:1", "g h:1"):
         assert not registry.is_ref(bad)
         with pytest.raises(InvalidRequestError, match="GROUP:N"):

@@ -371,12 +371,6 @@ class ServiceClient:
             pass
 
 
-def _is_version_ref(path: str) -> bool:
-    """`GROUP:N` / `GROUP:latest` (not a tinker:// path, not a folder)."""
-    group, sep, version = path.partition(":")
-    return bool(sep and group) and "/" not in path and (version == "latest" or version.isdigit())
-
-
 @atexit.register
 def _close_all() -> None:
     # Finish sessions at exit, so the server frees adapters now rather than at its timeout.

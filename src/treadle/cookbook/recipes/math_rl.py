@@ -49,7 +49,8 @@ class Config:
     eval_samples: int = 4
     save_every: int = 10
     seed: int = 0
-    load_checkpoint_path: str | None = None
+    load_checkpoint_path: str | None = None  # e.g. an SFT run's state
+    load_optimizer: bool = False  # also carry on its Adam moments
     mlflow_uri: str | None = None
 
 

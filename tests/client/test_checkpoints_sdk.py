@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from treadle.checkpoints_cli import build_help, parse_duration
+from treadle.cli.checkpoints import build_help, parse_duration
 
 
 def test_durations():

@@ -71,7 +71,7 @@ def test_mixed_batch_equals_alone_and_plain(engine, plain_model):
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("target_prompt_ids", np.zeros((2, 3), dtype=np.int64), "target_prompt_ids must be"),
+        ("target_prompt_ids", np.zeros((2, 3), dtype=np.int64), "target_prompt_logprobs must be"),
         ("target_prompt_ids", np.full((3, 1), 10**6, dtype=np.int64), "outside the vocabulary"),
         ("topk_sample_logprobs", -1, "topk_sample_logprobs"),
         ("prompt_alt_tokens_k", -2, "prompt_alt_tokens_k"),

@@ -143,6 +143,7 @@ def test_malformed_bodies_name_the_problem(mutate, needle):
 def test_bad_tensor_bytes_and_shapes_are_rejected():
     msg = tpb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.arange(3, dtype="<i4").tobytes()
     d.loss_fn_inputs["weights"].dense = b"\x00" * 6  # not a multiple of 4
     d.loss_fn_inputs["weights"].dtype = tpb.DTYPE_FLOAT32
     with pytest.raises(InvalidRequestError, match=r"weights.*multiple"):
@@ -150,6 +151,9 @@ def test_bad_tensor_bytes_and_shapes_are_rejected():
     d.loss_fn_inputs["weights"].dense = b"\x00" * 8
     d.loss_fn_inputs["weights"].shape.extend([3])
     with pytest.raises(InvalidRequestError, match=r"shape \[3\] needs 3 values, got 2"):
+        codec.decode_forward_backward_request(msg.SerializeToString())
+    d.loss_fn_inputs["weights"].shape[:] = [4]  # sizes are checked before anything is read
+    with pytest.raises(InvalidRequestError, match=r"expected leading length 3"):
         codec.decode_forward_backward_request(msg.SerializeToString())
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from _tenancy import TINY, Api
 
-from treadle.server.metering import proto_usage
+from treadle.server.tenancy.metering import proto_usage
 from treadle.wire import codec
 
 PRICES = {TINY: {"prefill": 0.5, "sample": 2.0, "train": 3.0}}  # $ per million tokens

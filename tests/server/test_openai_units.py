@@ -11,16 +11,16 @@ import json
 import pytest
 
 from treadle.errors import InvalidRequestError
-from treadle.server.openai.errors import error_body, param_of
-from treadle.server.openai.render import TokenText, decode_output
-from treadle.server.openai.schemas import (
+from treadle.server.api.openai.errors import error_body, param_of
+from treadle.server.api.openai.render import TokenText, decode_output
+from treadle.server.api.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_chat,
     check_completion,
     prompts_of,
 )
-from treadle.server.openai.tools import parse_tool_calls, template_tool_calls
+from treadle.server.api.openai.tools import parse_tool_calls, template_tool_calls
 
 
 def test_tool_calls_are_parsed_and_the_rest_stays_content():
@@ -148,10 +148,10 @@ def test_a_tool_call_answer_in_openai_types_plain_and_streamed(tok):
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    from treadle.server.openai.completions import Choice, Result, chat_response
-    from treadle.server.openai.sampling import Sampled
-    from treadle.server.openai.schemas import Sampling
-    from treadle.server.openai.stream import chat_chunks
+    from treadle.server.api.openai.completions import Choice, Result, chat_response
+    from treadle.server.api.openai.sampling import Sampled
+    from treadle.server.api.openai.schemas import Sampling
+    from treadle.server.api.openai.stream import chat_chunks
 
     text = 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     tokens = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -20,7 +20,7 @@ from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.client.errors import APIError, BadRequestError, NotFoundError
 from treadle.client.transport import RetryPolicy
 from treadle.launch import ServerProcess
-from treadle.server import encryption
+from treadle.server.storage import encryption
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -58,8 +58,8 @@ def s3_endpoint():
 @pytest.fixture(scope="module")
 def env(s3_endpoint, tiny_model_dir, tmp_path_factory):
     """The server (started with the S3 settings in its environment) and two tenants' keys."""
-    tenants = pytest.importorskip("treadle.server.tenants")
-    from treadle.server.db import Store
+    tenants = pytest.importorskip("treadle.server.tenancy.tenants")
+    from treadle.server.storage.database import Store
 
     data = tmp_path_factory.mktemp("registry-data")
     server = ServerProcess({TINY: tiny_model_dir}, data, startup_timeout_s=180).start()

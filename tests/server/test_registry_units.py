@@ -15,23 +15,26 @@ from types import SimpleNamespace
 import pytest
 
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.server import encryption, registry
-from treadle.server.db import Store
+from treadle.server.registry import names, sources
+from treadle.server.registry import versions as registry
+from treadle.server.runtime.ops import PackageTarget
+from treadle.server.storage import encryption
+from treadle.server.storage.database import Store
 
 
 def test_version_references():
-    assert registry.parse_ref("math-sft:7") == ("math-sft", 7)
-    assert registry.parse_ref("g.v2_x:latest") == ("g.v2_x", None)
+    assert names.parse_ref("math-sft:7") == ("math-sft", 7)
+    assert names.parse_ref("g.v2_x:latest") == ("g.v2_x", None)
     # the server tells references from paths (the SDK sends either as model_path)
-    assert registry.is_ref("math-sft:3") and registry.is_ref("math-sft:latest")
+    assert names.is_ref("math-sft:3") and names.is_ref("math-sft:latest")
     for path in ("tinker://run/sampler_weights/x", "/abs/folder", "g:abc", "a/b:1"):
-        assert not registry.is_ref(path)
+        assert not names.is_ref(path)
     for bad in ("tinker://run/weights/x", "s3://b/k", "g", "g:", "g:x", ":1", "a:b:1", "g h:1"):
-        assert not registry.is_ref(bad)
+        assert not names.is_ref(bad)
         with pytest.raises(InvalidRequestError, match="GROUP:N"):
-            registry.parse_ref(bad)
+            names.parse_ref(bad)
     with pytest.raises(InvalidRequestError, match="model_package_group"):
-        registry.check_group("has space")
+        names.check_group("has space")
 
 
 def v(version: int, kind: str, age_s: float, now: dt.datetime) -> SimpleNamespace:
@@ -65,13 +68,7 @@ def test_queries_are_scoped_by_tenant(tmp_path):
     src.mkdir()
     (src / "adapter_model.safetensors").write_bytes(b"weights")
     for tenant in ("t-a", "t-b", "t-a"):
-        pkg = {
-            "tenant_id": tenant,
-            "group": "shared-name",
-            "output_root": str(tmp_path / "packages"),
-            "key": None,
-            "base_model": "m",
-        }
+        pkg = PackageTarget(tenant, "shared-name", str(tmp_path / "packages"), "m", {})
         registry.publish(db, pkg, "sampler", src)
     a = registry.list_versions(db, "t-a", "shared-name")
     b = registry.list_versions(db, "t-b", "shared-name")
@@ -129,7 +126,7 @@ def test_encrypted_format_round_trips_and_detects_tampering(monkeypatch, size):
 
 
 def test_an_overwritten_tinker_path_belongs_to_its_newest_version(tmp_path):
-    from treadle.server.db import CheckpointRow, utcnow
+    from treadle.server.storage.rows import CheckpointRow, utcnow
 
     db = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
     src, work = tmp_path / "adapter", tmp_path / "artifacts" / "run" / "weights" / "latest"
@@ -137,7 +134,7 @@ def test_an_overwritten_tinker_path_belongs_to_its_newest_version(tmp_path):
     work.mkdir(parents=True)
     (src / "adapter_model.safetensors").write_bytes(b"weights")
     path = "tinker://run/weights/latest"
-    pkg = {"tenant_id": "t", "group": "g", "output_root": str(tmp_path / "p"), "base_model": "m"}
+    pkg = PackageTarget("t", "g", str(tmp_path / "p"), "m", {})
     old = registry.publish(db, pkg, "state", src, tinker_path=path)
     new = registry.publish(db, pkg, "state", src, tinker_path=path)  # save_state(overwrite)
     db.add(
@@ -153,9 +150,8 @@ def test_an_overwritten_tinker_path_belongs_to_its_newest_version(tmp_path):
             created_at=utcnow(),
         )
     )
-    svc = SimpleNamespace(store=db)
-    assert registry.resolve_version(svc, "t", "g:1") == old.location  # not the overwritten path
-    assert registry.resolve_version(svc, "t", "g:2") == path
+    assert sources.resolve_version(db, "t", "g:1") == old.location  # not the overwritten path
+    assert sources.resolve_version(db, "t", "g:2") == path
     registry.delete_version(db, "t", "g:1")
     assert db.get(CheckpointRow, path) is not None and work.is_dir()  # version 2 still uses it
     registry.delete_version(db, "t", "g:2")

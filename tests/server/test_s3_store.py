@@ -13,8 +13,10 @@ import pytest
 
 from treadle.errors import InvalidRequestError
 from treadle.launch import free_port
-from treadle.server import encryption, registry, stores
-from treadle.server.db import Store
+from treadle.server.registry import versions as registry
+from treadle.server.runtime.ops import PackageTarget
+from treadle.server.storage import encryption, stores
+from treadle.server.storage.database import Store
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -115,7 +117,7 @@ class FailingLocalStore(stores.LocalStore):
 def test_a_failed_upload_registers_nothing(s3_url, folder, tmp_path, monkeypatch, kind):
     db = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
     root = f"s3://{BUCKET}/fail" if kind == "s3" else str(tmp_path / "packages")
-    pkg = {"tenant_id": "t1", "group": "g", "output_root": root, "key": None, "base_model": "m"}
+    pkg = PackageTarget("t1", "g", root, "m", {})
     failing = FailingS3Store if kind == "s3" else FailingLocalStore
     made = []
     monkeypatch.setattr(stores, "open_location", lambda url: made.append(failing(url)) or made[-1])

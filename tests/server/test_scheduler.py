@@ -7,20 +7,46 @@ order, not about numbers (the API tests run the real engine).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
+import pytest
 
-from treadle.engine.types import TrainResult
-from treadle.errors import InvalidRequestError
-from treadle.server.executor import OpExecutor
-from treadle.server.scheduler import EngineWorker, ModelQueue, Op, plan_round
-from treadle.types import Datum
+from treadle.engine.types import AdamSpec, SampleRequest, TrainDatum, TrainResult
+from treadle.errors import EngineDeadError, ErrorInfo, InvalidRequestError
+from treadle.server.runtime import engine_loop
+from treadle.server.runtime.engine_client import EngineFacts
+from treadle.server.runtime.engine_loop import EngineLoop
+from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.ops import (
+    Op,
+    OpKind,
+    OptimStep,
+    Outcome,
+    Sample,
+    Skip,
+    TrainData,
+)
+from treadle.server.runtime.scheduler import ModelQueue, plan_round
+
+FACTS = EngineFacts("fake", vocab_size=10, max_seq_len=16, max_lora_rank=8)
+
+
+def payload_of(kind: OpKind, n_tokens: int = 2, loss: str = "cross_entropy"):
+    if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
+        tokens = np.arange(n_tokens)
+        inputs = {"target_tokens": tokens, "weights": np.ones(n_tokens, np.float32)}
+        return TrainData([TrainDatum(tokens, inputs)], loss, {})
+    if kind == OpKind.OPTIM_STEP:
+        return OptimStep(AdamSpec())
+    if kind == OpKind.SAMPLE:
+        return Sample(SampleRequest([1, 2]))
+    return Skip(ErrorInfo("InvalidRequestError", "refused at the edge", "user"))
 
 
 def op(kind: str, model: str | None, seq: int | None, t: float = 0.0) -> Op:
-    return Op(
-        request_id=f"{model}-{seq}-{kind}", kind=kind, model_id=model, seq_id=seq, enqueued_at=t
-    )
+    k = OpKind(kind)
+    return Op(f"{model}-{seq}-{kind}", k, payload_of(k), model, seq, enqueued_at=t)
 
 
 def queue(next_seq: int, *ops: Op) -> ModelQueue:
@@ -39,12 +65,8 @@ def test_a_gap_blocks_its_model_only():
 
 
 def chunk(kind: str, model: str, seq: int, loss: str = "cross_entropy", n_tokens: int = 2) -> Op:
-    datum = Datum(
-        model_input=list(range(n_tokens)), loss_fn_inputs={"target_tokens": [0] * n_tokens}
-    )
-    o = op(kind, model, seq)
-    o.payload = {"data": [datum], "loss_fn": loss, "loss_fn_config": {}}
-    return o
+    k = OpKind(kind)
+    return Op(f"{model}-{seq}-{kind}", k, payload_of(k, n_tokens, loss), model, seq)
 
 
 def test_consecutive_chunks_of_one_model_share_its_engine_call_in_seq_order():
@@ -75,10 +97,9 @@ def test_merging_stops_at_the_token_cap_but_the_head_always_runs():
     assert [o.seq_id for o in plan_round(queues, [], 8, max_merge_tokens=10)[0].ops] == [0]
 
 
-def test_ops_without_a_train_payload_are_not_merged():
-    queues = {"a": queue(0, op("forward_backward", "a", 0), op("forward_backward", "a", 1))}
-    steps = plan_round(queues, [], 8)
-    assert [o.seq_id for s in steps for o in s.ops] == [0]
+def test_a_payload_must_match_its_kind():
+    with pytest.raises(TypeError, match="payload must be TrainData"):
+        Op("x", OpKind.FORWARD_BACKWARD, OptimStep(AdamSpec()), "a", 0)
 
 
 def test_train_heads_of_all_models_share_one_call_and_optim_is_a_per_model_barrier():
@@ -130,50 +151,43 @@ class FakeEngine:
     def optim_step(self, adapter_id, spec):
         with self.lock:
             self.calls.append([f"optim:{adapter_id}"])
+        if adapter_id == "boom":
+            raise RuntimeError("the device fell over (fake)")
         return {}
 
 
 def train_op(model: str, seq: int, loss_fn: str = "cross_entropy") -> Op:
-    datum = Datum(model_input=[1, 2], loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]})
-    payload = {"data": [datum], "loss_fn": loss_fn, "loss_fn_config": {}}
-    return Op(
-        request_id=f"{model}:{seq}",
-        kind="forward_backward",
-        model_id=model,
-        seq_id=seq,
-        payload=payload,
-    )
+    kind = OpKind.FORWARD_BACKWARD
+    return Op(f"{model}:{seq}", kind, payload_of(kind, 2, loss_fn), model, seq)
 
 
 class Collector:
     def __init__(self, expect: int):
-        self.outcomes: dict[str, dict] = {}
+        self.outcomes: dict[str, Outcome] = {}
         self.order: list[str] = []
         self.expect = expect
         self.done = threading.Event()
 
-    def __call__(self, outcomes):
+    def __call__(self, outcomes: list[Outcome]):
         for o in outcomes:
-            self.outcomes[o["request_id"]] = o
-            self.order.append(o["request_id"])
+            self.outcomes[o.request_id] = o
+            self.order.append(o.request_id)
         if len(self.outcomes) >= self.expect:
             self.done.set()
 
 
-def make_worker(engine: FakeEngine, expect: int) -> tuple[EngineWorker, Collector]:
+def make_worker(engine: FakeEngine, expect: int) -> tuple[EngineLoop, Collector]:
     collect = Collector(expect)
-    return EngineWorker("fake", OpExecutor(engine, None, None), collect), collect
+    return EngineLoop(FACTS, OpExecutor(engine, writer=None), collect), collect
 
 
 def test_worker_waits_for_the_gap_then_runs_in_seq_order():
-    from treadle.types import AdamParams
-
     engine = FakeEngine()
     worker, collect = make_worker(engine, expect=4)
     worker.add_model("a")
     worker.start()
     try:
-        worker.submit(Op("a:3", "optim_step", "a", 3, AdamParams()))
+        worker.submit(Op("a:3", OpKind.OPTIM_STEP, OptimStep(AdamSpec()), "a", 3))
         worker.submit(train_op("a", 2))
         worker.submit(train_op("a", 1, loss_fn="ppo"))
         assert not collect.done.wait(0.3)  # seq 0 missing: nothing may run
@@ -202,7 +216,7 @@ def test_worker_runs_the_chunks_of_a_batch_as_one_engine_call():
         worker.stop()
     assert engine.calls == [["a", "a", "a", "a"]]
     assert collect.order == ["a:0", "a:1", "a:2", "a:3"]
-    assert all(collect.outcomes[f"a:{s}"]["status"] == "done" for s in range(4))
+    assert all(collect.outcomes[f"a:{s}"].succeeded for s in range(4))
 
 
 def test_worker_batches_sessions_and_isolates_a_bad_request():
@@ -218,26 +232,54 @@ def test_worker_batches_sessions_and_isolates_a_bad_request():
         worker.stop()
     assert sorted(engine.calls[0]) == ["a", "b", "bad"]
     assert sorted(map(tuple, engine.calls[1:])) == [("a",), ("b",), ("bad",)]  # retried alone
-    assert collect.outcomes["a:0"]["status"] == "done"
-    assert collect.outcomes["b:0"]["status"] == "done"
-    bad = collect.outcomes["bad:0"]
-    assert bad["status"] == "failed" and bad["error"]["category"] == "user"
-    assert "weights" in bad["error"]["error"]
+    assert collect.outcomes["a:0"].succeeded and collect.outcomes["b:0"].succeeded
+    bad = collect.outcomes["bad:0"].error
+    assert bad.type == "InvalidRequestError" and bad.category == "user"
+    assert "weights" in bad.message
 
 
 def test_worker_keeps_running_after_an_unexpected_error():
     engine = FakeEngine()
-    worker, collect = make_worker(engine, expect=3)
-    worker.add_model("a")
-    worker.submit(Op("gone:0", "forward_backward", "gone", 0))  # a model never added
-    worker.submit(Op("a:0", "no_such_kind", "a", 0))  # executor has no handler: a server error
+    worker, collect = make_worker(engine, expect=4)
+    for model in ("a", "boom"):
+        worker.add_model(model)
+    worker.submit(train_op("gone", 0))  # a model never added (its session ended)
+    worker.submit(Op("boom:0", OpKind.OPTIM_STEP, OptimStep(AdamSpec()), "boom", 0))
+    worker.submit(Op("a:0", OpKind.SKIP, payload_of(OpKind.SKIP), "a", 0))
     worker.submit(train_op("a", 1))
     worker.start()
     try:
         assert collect.done.wait(10)
     finally:
         worker.stop()
-    assert collect.outcomes["a:0"]["status"] == "failed"
-    assert collect.outcomes["a:0"]["error"]["category"] == "server"
-    assert collect.outcomes["a:1"]["status"] == "done"
-    assert "unloaded" in collect.outcomes["gone:0"]["error"]["error"]
+    boom = collect.outcomes["boom:0"].error
+    assert boom.category == "server" and "fell over" in boom.message
+    skipped = collect.outcomes["a:0"].error  # holds seq 0's place with the edge's error
+    assert skipped.type == "InvalidRequestError" and "refused" in skipped.message
+    assert collect.outcomes["a:1"].succeeded
+    assert "unloaded" in collect.outcomes["gone:0"].error.message
+
+
+def test_a_dead_loop_fails_every_pending_future_and_every_later_one(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("scheduler bug (fake)")
+
+    monkeypatch.setattr(engine_loop, "plan_round", broken)
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=3)
+    worker.add_model("a")
+    worker.submit(train_op("a", 0))
+    worker.submit(op("sample", None, None))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(collect.outcomes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.submit(train_op("a", 1))  # after the loop died: failed at once, never queued
+        assert collect.done.wait(10)
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            worker.check_seq("a", 2)
+    finally:
+        worker.stop()
+    assert {o.error.type for o in collect.outcomes.values()} == {"EngineDeadError"}
+    assert all("fake" in o.error.message for o in collect.outcomes.values())

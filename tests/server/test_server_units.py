@@ -10,10 +10,12 @@ import time
 
 import pytest
 
+from treadle.engine.types import TrainResult
 from treadle.errors import InvalidRequestError
-from treadle.server import artifacts
 from treadle.server.config import ServerConfig, parse_model_arg
-from treadle.server.notifier import FutureBoard
+from treadle.server.core.board import FutureBoard
+from treadle.server.runtime.ops import OpKind, Outcome
+from treadle.server.storage import artifacts
 
 
 def test_parse_model_arg(tmp_path):
@@ -67,10 +69,11 @@ def test_atomic_dir_never_leaves_a_half_checkpoint(tmp_path):
 
 
 def test_board_hands_the_outcome_to_a_waiting_poll_from_another_thread():
-    async def scenario() -> tuple[dict | None, float]:
+    outcome = Outcome.ok("r1", TrainResult([], {"loss:sum": 1.0}))
+
+    async def scenario() -> tuple[Outcome | None, float]:
         board = FutureBoard(asyncio.get_running_loop())
-        board.expect("r1", "forward")
-        outcome = {"request_id": "r1", "status": "done", "result": b"x"}
+        board.expect("r1", OpKind.FORWARD)
 
         def engine_thread():
             time.sleep(0.2)
@@ -82,13 +85,13 @@ def test_board_hands_the_outcome_to_a_waiting_poll_from_another_thread():
         return got, time.monotonic() - t0
 
     got, elapsed = asyncio.run(scenario())
-    assert got == {"request_id": "r1", "status": "done", "result": b"x"} and elapsed < 5
+    assert got is outcome and elapsed < 5
 
 
 def test_board_times_out_when_nothing_comes():
-    async def scenario() -> dict | None:
+    async def scenario() -> Outcome | None:
         board = FutureBoard(asyncio.get_running_loop())
-        board.expect("r2", "forward")
+        board.expect("r2", OpKind.FORWARD)
         return await board.wait(board.get("r2"), timeout=0.1)
 
     assert asyncio.run(scenario()) is None
@@ -98,8 +101,8 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
     async def scenario() -> None:
         board = FutureBoard(asyncio.get_running_loop(), max_kept=2)
         for rid in ("a", "b", "c", "d"):
-            board.expect(rid, "sample")
-        board._resolve([{"request_id": r, "status": "done", "result": b"1"} for r in "abc"])
+            board.expect(rid, OpKind.SAMPLE)
+        board._resolve([Outcome(r, body=b"1") for r in "abc"])
         assert board.get("a") is None  # evicted: the database serves it
         assert board.get("b").outcome is not None and board.get("d").outcome is None
         board.delivered("b")
@@ -113,8 +116,10 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
 def test_journal_commits_a_batch_and_isolates_a_failing_write(tmp_path):
     from sqlalchemy import create_engine, select
 
-    from treadle.server.db import REQUESTS, RequestRow, Store, insert_row
-    from treadle.server.journal import Journal
+    from treadle.server.runtime.journal import Journal
+    from treadle.server.storage.database import Store
+    from treadle.server.storage.queries import REQUESTS, insert_row
+    from treadle.server.storage.rows import RequestRow
 
     store = Store(f"sqlite:///{tmp_path / 't.db'}")
     journal = Journal(store.engine)

@@ -11,10 +11,13 @@ import time
 
 import pytest
 
-from treadle.server import auth, metering, tenants
+from treadle.errors import AuthError, QuotaExceededError
 from treadle.server.config import Price
-from treadle.server.db import RequestRow, Store, insert_row
-from treadle.server.quotas import QuotaError, Quotas, RateLimiter
+from treadle.server.storage.database import Store
+from treadle.server.storage.queries import insert_row
+from treadle.server.storage.rows import RequestRow
+from treadle.server.tenancy import auth, metering, tenants
+from treadle.server.tenancy.quotas import QuotaBook, Quotas, RateLimiter
 from treadle.types import SampledSequence, SampleResponse
 from treadle.wire import codec
 
@@ -28,20 +31,21 @@ def store(tmp_path):
 
 def test_keys_are_stored_hashed_and_development_mode_ends_with_the_first_tenant(store, monkeypatch):
     monkeypatch.setattr(auth, "TENANT_RECHECK_S", 0.0)
-    ring = auth.KeyRing(store.engine)
+    seen: dict[str, dict] = {}
+    ring = auth.KeyRing(store.engine, on_quotas=seen.__setitem__)
     assert ring.dev_mode and ring.authenticate(None) == auth.DEV_TENANT
     tenants.create_tenant(store, "acme", {"max_lora_rank": 8})
     key, row = tenants.create_key(store, "acme")
     assert key.startswith("tml-") and len(key) > 40
     assert row.key_hash == auth.hash_key(key) and key not in str(tenants.list_tenants(store))
-    with pytest.raises(auth.AuthError, match="missing API key"):
+    with pytest.raises(AuthError, match="missing API key"):
         ring.authenticate(None)  # the running server noticed the tenant
     tenant = ring.authenticate(key)
-    assert tenant.name == "acme" and ring.quotas_seen[tenant.tenant_id] == {"max_lora_rank": 8}
+    assert tenant.name == "acme" and seen[tenant.tenant_id] == {"max_lora_rank": 8}
     tenants.revoke_key(store, key[: auth.KEY_ID_CHARS])
-    with pytest.raises(auth.AuthError, match="revoked"):
+    with pytest.raises(AuthError, match="revoked"):
         ring.authenticate(key)
-    with pytest.raises(auth.AuthError, match="not recognised"):
+    with pytest.raises(AuthError, match="not recognised"):
         ring.authenticate(auth.new_key())
 
 
@@ -66,13 +70,19 @@ def test_quota_precedence_and_clearing(store):
     assert config.overlay(row.quotas).requests_per_minute == 50
     with pytest.raises(ValueError):
         Quotas(max_lora_rank=0)
+    # the book the server asks: config defaults, then per-tenant config, then the row
+    book = QuotaBook(defaults, {"acme": Quotas(requests_per_minute=50, max_lora_rank=16)})
+    book.from_db[row.tenant_id] = {"max_lora_rank": 4}
+    got = book.of(row.tenant_id, "acme")
+    assert (got.max_concurrent_sessions, got.requests_per_minute, got.max_lora_rank) == (8, 50, 4)
+    assert book.of("someone-else", "beta").max_lora_rank is None
 
 
 def test_rate_window_slides():
     rate = RateLimiter(window_s=0.3)
     for _ in range(3):
         rate.take("t", 3)
-    with pytest.raises(QuotaError, match=r"requests_per_minute \(3\)") as over:
+    with pytest.raises(QuotaExceededError, match=r"requests_per_minute \(3\)") as over:
         rate.take("t", 3)
     assert 0 < over.value.retry_after_s <= 0.3 and "Retry-After" in over.value.http_headers
     rate.take("other", 3)  # per tenant

@@ -49,6 +49,18 @@ class Engine:
         self.model_name = model_name or str(model_dir)
         self.bank = AdapterBank(self.model)
 
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest LoRA rank worth training: the widest min(in, out) of the layers an
+        adapter may target (the model's width). A higher rank adds parameters, not reach."""
+        layers = [self.bank.modules[path] for path in self.bank.targets]
+        return max(min(m.in_features, m.out_features) for m in layers)
+
+    @property
+    def arch(self) -> str | None:
+        """The Hugging Face model_type (llama, qwen3, ...)."""
+        return getattr(getattr(self.model, "config", None), "model_type", None)
+
     # ---- adapters ----
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
         """A fresh adapter (B = 0: it equals the base until its first optim_step)."""

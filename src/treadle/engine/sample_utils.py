@@ -1,11 +1,10 @@
-"""The sampler's pieces: request validation, token choice (temperature, top-k, top-p),
+"""The sampler's pieces: token choice (temperature, top-k, top-p),
 prompt logprobs, stop strings, and the preallocated KV cache. `treadle.engine.sample` puts
 them together.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from typing import Any
 
@@ -13,75 +12,15 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from treadle.engine.specs import validate_sample_request
 from treadle.engine.types import SampleRequest
 from treadle.errors import InvalidRequestError
 
 
 def validate_request(engine: Any, req: SampleRequest, i: int) -> None:
-    """Raise InvalidRequestError naming `requests[i].<field>`, the expected and the received."""
-    V = int(engine.vocab_size)
-    sp = req.params
-    where = f"requests[{i}]"
-    if len(req.prompt) == 0:
-        raise InvalidRequestError(f"{where}.prompt must hold at least 1 token, got 0")
-    bad = [t for t in req.prompt if not 0 <= int(t) < V]
-    if bad:
-        raise InvalidRequestError(
-            f"{where}.prompt holds token ids outside the vocabulary [0, {V}): {bad[:5]}"
-        )
-    if req.num_samples < 1:
-        raise InvalidRequestError(f"{where}.num_samples must be >= 1, got {req.num_samples}")
-    if sp.max_tokens < 0:
-        raise InvalidRequestError(f"{where}.params.max_tokens must be >= 0, got {sp.max_tokens}")
-    max_len = int(engine.max_seq_len)
-    if len(req.prompt) + sp.max_tokens > max_len:
-        raise InvalidRequestError(
-            f"{where}: prompt length + params.max_tokens must be <= the model's context "
-            f"{max_len}, got {len(req.prompt)} + {sp.max_tokens}"
-        )
-    if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):
-        raise InvalidRequestError(
-            f"{where}.params.temperature must be a finite number >= 0, got {sp.temperature}"
-        )
-    if not 0 < sp.top_p <= 1:
-        raise InvalidRequestError(f"{where}.params.top_p must be in (0, 1], got {sp.top_p}")
-    if sp.top_k < -1:
-        raise InvalidRequestError(
-            f"{where}.params.top_k must be -1 or 0 (off) or a positive count, got {sp.top_k}"
-        )
-    bad = [t for t in sp.stop_tokens if not 0 <= int(t) < V]
-    if bad:
-        raise InvalidRequestError(
-            f"{where}.params.stop_tokens hold ids outside the vocabulary [0, {V}): {bad[:5]}"
-        )
-    if any(not isinstance(s, str) or s == "" for s in sp.stop_strings):
-        raise InvalidRequestError(
-            f"{where}.params.stop_strings must be non-empty strings, got {sp.stop_strings!r}"
-        )
-    if not 0 <= req.topk_prompt_logprobs <= V:
-        raise InvalidRequestError(
-            f"{where}.topk_prompt_logprobs must be in [0, {V}], got {req.topk_prompt_logprobs}"
-        )
-    if not 0 <= req.topk_sample_logprobs <= V:
-        raise InvalidRequestError(
-            f"{where}.topk_sample_logprobs must be in [0, {V}], got {req.topk_sample_logprobs}"
-        )
-    if req.prompt_alt_tokens_k < 0:
-        raise InvalidRequestError(
-            f"{where}.prompt_alt_tokens_k must be >= 0, got {req.prompt_alt_tokens_k}"
-        )
-    ids = req.target_prompt_ids
-    if ids is not None:
-        P = len(req.prompt)
-        if ids.ndim != 2 or ids.shape[0] != P - 1:
-            raise InvalidRequestError(
-                f"{where}.target_prompt_ids must be ({P - 1}, K) (prompt length - 1 rows), "
-                f"got shape {tuple(ids.shape)}"
-            )
-        if ((ids < -1) | (ids >= V)).any():
-            raise InvalidRequestError(
-                f"{where}.target_prompt_ids hold ids outside the vocabulary [0, {V}) (or -1)"
-            )
+    """Raise InvalidRequestError naming `requests[i].<field>` (the table the server's edge
+    uses too: treadle.engine.specs)."""
+    validate_sample_request(req, engine.vocab_size, engine.max_seq_len, f"requests[{i}].")
 
 
 def pick_tokens(

@@ -1,5 +1,5 @@
-"""The FastAPI app factory: settings, database, engines and the engine loops are built in
-the lifespan, never at import.
+"""The FastAPI app factory: settings, database, engines and every component are built in
+the lifespan, never at import, and torn down with it.
 
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
 """
@@ -13,50 +13,51 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from sqlalchemy import update
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.errors import (
-    ConflictError,
-    EngineDeadError,
-    InvalidRequestError,
-    NotFoundError,
-    QuotaExceededError,
-    TreadleError,
-)
-from treadle.server.auth import TenantMiddleware, start_auth
-from treadle.server.config import ServerConfig
-from treadle.server.db import SessionRow, Store
-from treadle.server.journal import Journal
-from treadle.server.notifier import FutureBoard
-from treadle.server.openai import errors as openai_errors
-from treadle.server.openai import routes as openai_routes
-from treadle.server.routes import (
+from treadle.errors import TreadleError
+from treadle.server.api import errors as api_errors
+from treadle.server.api.openai import routes as openai_routes
+from treadle.server.api.openai.serving import OpenAIServing
+from treadle.server.api.tinker import (
     checkpoints,
     futures,
+    runs,
     sampling,
     session,
     training,
     treadle,
     weights,
 )
-from treadle.server.service import Service, SessionGoneError
+from treadle.server.config import ServerConfig
+from treadle.server.core.board import FutureBoard
+from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.engines import Engines
+from treadle.server.core.futures import Futures
+from treadle.server.core.limits import Admission
+from treadle.server.core.models import TrainingModels
+from treadle.server.core.samplers import Samplers
+from treadle.server.core.sessions import Sessions
+from treadle.server.core.state import ServerState
+from treadle.server.registry.bindings import Bindings
+from treadle.server.registry.sources import packages_root
+from treadle.server.runtime.checkpoint_writer import CheckpointWriter
+from treadle.server.runtime.engine_client import EngineFacts
+from treadle.server.runtime.engine_loop import EngineLoop
+from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.journal import Journal
+from treadle.server.storage.database import Store
+from treadle.server.storage.rows import SessionRow
+from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
+from treadle.server.tenancy.quotas import QuotaBook
+from treadle.server.tenancy.signing import Signer
 
 log = logging.getLogger("treadle.server")
 
 EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
-
-# Most specific first: SessionGoneError is a NotFoundError answered with 410.
-STATUS_OF_ERROR: list[tuple[type[Exception], int, str]] = [
-    (SessionGoneError, 410, "user"),
-    (InvalidRequestError, 400, "user"),
-    (NotFoundError, 404, "user"),
-    (ConflictError, 409, "user"),
-    (QuotaExceededError, 429, "user"),
-    (EngineDeadError, 503, "server"),
-]
 
 
 def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
@@ -76,95 +77,114 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         if failed:
             log.warning("marked %d unfinished requests of a previous run as failed", failed)
         _expire_sessions_of_previous_run(store)
+        remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
-        service = Service(config, store, journal, FutureBoard(asyncio.get_running_loop()))
+        state = _build_state(config, store, journal, asyncio.get_running_loop())
         try:
             for name, path in config.models.items():
                 log.info("loading model %s from %s", name, path)
-                service.add_engine(name, await asyncio.to_thread(make_engine, name, path, config))
-            app.state.service = service
-            start_auth(app, service)  # keys → tenants (treadle.server.auth)
-            reaper = asyncio.create_task(_reap_idle_sessions(service))
+                engine = await asyncio.to_thread(make_engine, name, path, config)
+                state.engines.add(_engine_loop(name, engine, state, config))
+            for engine in state.engines.all():
+                engine.start()
+            app.state.server = state
+            app.state.keyring = state.keyring
+            app.state.openai = OpenAIServing(state)
+            _announce_mode(state.keyring)
+            reaper = asyncio.create_task(_reap_idle_sessions(state))
             try:
                 yield
             finally:
                 reaper.cancel()
         finally:
-            service.stop()  # the engine threads first: their last outcomes go to the journal
+            for engine in state.engines.all():  # first: their last outcomes go to the journal
+                engine.stop()
             journal.stop()
+            remove_filter()
             store.close()
 
     app = FastAPI(title="treadle", lifespan=lifespan)
     # Routes are matched in order, so the ones every call uses come first.
-    for router_module in (futures, training, sampling, session, weights, treadle, checkpoints):
-        app.include_router(router_module.router)
+    for module in (futures, training, sampling, session, weights, runs, treadle, checkpoints):
+        app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.
-    app.add_exception_handler(TreadleError, _handle_error)
-    app.add_exception_handler(Exception, _handle_error)
-    app.add_exception_handler(RequestValidationError, _handle_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _handle_http_error)
+    app.add_exception_handler(TreadleError, api_errors.handle_error)
+    app.add_exception_handler(Exception, api_errors.handle_error)
+    app.add_exception_handler(RequestValidationError, api_errors.handle_validation_error)
+    app.add_exception_handler(StarletteHTTPException, api_errors.handle_http_error)
     app.add_middleware(TenantMiddleware)
     return app
 
 
-def _expire_sessions_of_previous_run(store: Store) -> None:
-    from sqlalchemy import update
+def _build_state(
+    config: ServerConfig, store: Store, journal: Journal, loop: asyncio.AbstractEventLoop
+) -> ServerState:
+    quotas = QuotaBook(config.quotas, config.tenant_quotas)
+    keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
+    admission = Admission(config.limits, quotas, config.rate_window_s)
+    engines = Engines()
+    futures_ = Futures(journal, FutureBoard(loop), admission, config.long_poll_s)
+    sessions_ = Sessions(store, journal, admission)
+    bindings = Bindings(store, packages_root(config))
+    checkpoints_ = Checkpoints(store)
+    return ServerState(
+        config=config,
+        store=store,
+        journal=journal,
+        engines=engines,
+        admission=admission,
+        futures=futures_,
+        sessions=sessions_,
+        models=TrainingModels(store, journal, sessions_, engines, admission, futures_, bindings),
+        samplers=Samplers(store, journal, sessions_, engines, checkpoints_),
+        checkpoints=checkpoints_,
+        bindings=bindings,
+        keyring=keyring,
+        signer=Signer(),
+    )
 
+
+def _engine_loop(name: str, engine: Any, state: ServerState, config: ServerConfig) -> EngineLoop:
+    writer = CheckpointWriter(engine, state.store, state.journal, config.artifacts_dir)
+    facts = EngineFacts(
+        name=name,
+        vocab_size=int(engine.vocab_size),
+        max_seq_len=int(engine.max_seq_len),
+        max_lora_rank=int(engine.max_lora_rank),
+        arch=engine.arch,
+    )
+    return EngineLoop(
+        facts,
+        OpExecutor(engine, writer, config.max_snapshots_per_model),
+        state.futures.finish,
+        config.max_sample_batch,
+        max_merge_tokens=config.max_merge_tokens,
+    )
+
+
+def _announce_mode(keyring: KeyRing) -> None:
+    if keyring.dev_mode:
+        log.warning(
+            "no tenants in the database: single-user development mode, API keys are not "
+            "checked (create one with `treadle admin create-tenant NAME`)"
+        )
+    else:
+        log.info("tenants configured: every request needs an API key")
+
+
+def _expire_sessions_of_previous_run(store: Store) -> None:
     with store.session.begin() as s:
         s.execute(update(SessionRow).where(SessionRow.status == "active").values(status="expired"))
 
 
-async def _reap_idle_sessions(service: Service) -> None:
-    period = min(5.0, service.config.heartbeat_timeout_s / 4)
+async def _reap_idle_sessions(state: ServerState) -> None:
+    period = min(5.0, state.config.heartbeat_timeout_s / 4)
     while True:
         await asyncio.sleep(period)
         try:
-            await service.expire_idle_sessions()
+            await state.expire_idle_sessions()
         except Exception:
             log.exception("session reaper")
-
-
-async def _handle_error(request: Request, exc: Exception) -> JSONResponse:
-    """The one place errors become HTTP: always a JSON body naming the problem (the tinker
-    SDK takes a 400 with an empty body for a proxy reset and retries it)."""
-    for cls, status, category in STATUS_OF_ERROR:
-        if isinstance(exc, cls):
-            response = _error_response(request, str(exc), category, status)
-            response.headers.update(getattr(exc, "http_headers", {}))  # a quota's Retry-After
-            return response
-    if not isinstance(exc, TreadleError):
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-    message = f"internal server error: {type(exc).__name__}: {exc}"
-    return _error_response(request, message, "server", 500)
-
-
-def _error_response(request: Request, message: str, category: str, status: int) -> JSONResponse:
-    """Our error body; OpenAI's shape on its /v1 paths, so that its clients parse it."""
-    if openai_errors.is_openai_path(request.url.path):
-        return openai_errors.error_response(message, status)
-    return JSONResponse({"error": message, "category": category}, status_code=status)
-
-
-async def _handle_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    """Routing's own errors (unknown route, wrong method) in our shapes, not FastAPI's."""
-    if exc.status_code in (204, 304):
-        return Response(status_code=exc.status_code, headers=exc.headers)
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    response = _error_response(request, message, "user", exc.status_code)
-    response.headers.update(exc.headers or {})
-    return response
-
-
-async def _handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        problems.append(f"{loc or 'body'}: {err.get('msg')}")
-    if openai_errors.is_openai_path(request.url.path):
-        return openai_errors.validation_error_response(exc.errors(), problems)
-    return JSONResponse(
-        {"error": "invalid request: " + "; ".join(problems), "category": "user"}, status_code=400
-    )

@@ -1,12 +1,20 @@
-"""Settings of `treadle serve`: one pydantic model, a docstring and a default per field."""
+"""Settings of `treadle serve`: one pydantic model, a docstring and a default per field.
+
+The docstrings are the help of the generated command-line flags (`serve_flags`), so the
+names, help and defaults live in one place.
+"""
 
 from __future__ import annotations
 
+import argparse
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from treadle.server.quotas import Quotas
+from treadle.server.tenancy.quotas import Quotas
 
 
 def parse_model_arg(arg: str) -> tuple[str, str]:
@@ -33,7 +41,7 @@ class Price(BaseModel):
 
 
 class InputLimits(BaseModel):
-    """What one request may ask of the server, whoever sends it (400 beyond)."""
+    """What one request may ask of the server, whoever sends it (400 / 413 beyond)."""
 
     max_seq_len: dict[str, int] = {}
     """Per served model name: the longest sequence (a datum, or a prompt plus its
@@ -45,13 +53,23 @@ class InputLimits(BaseModel):
     max_sample_tokens: int | None = None
     """max_tokens of one sample request; a request without max_tokens gets this much room
     (or the room its model's context leaves, whichever is less)."""
+    max_body_bytes: int = 64 << 20
+    """Bytes of one forward_backward body, received or decompressed (413 beyond); the SDKs
+    send chunks of about 5 MB."""
+    max_request_cells: int = 1 << 24
+    """Numbers in the loss_fn_inputs of one forward_backward request, counted before they
+    are allocated (a sparse tensor declares a large shape in a few bytes)."""
 
 
 class ServerConfig(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     models: dict[str, str]
     """Served base models: name (what clients pass as base_model) → local HF model folder."""
     host: str = "127.0.0.1"
+    """Address to listen on."""
     port: int = 8000
+    """Port to listen on."""
     data_dir: str = "./treadle-data"
     """Holds the SQLite database (unless db_url is given) and artifacts/<run_id>/..."""
     db_url: str | None = None
@@ -59,6 +77,7 @@ class ServerConfig(BaseModel):
     dtype: str = "float32"
     """Base model weights dtype: float32 or bfloat16."""
     device: str = "cpu"
+    """Where the engines run: cpu, cuda, cuda:1, ..."""
     heartbeat_timeout_s: float = 120.0
     """A session silent this long (the SDK beats every 10 s) is ended and its adapters freed."""
     long_poll_s: float = 30.0
@@ -71,8 +90,9 @@ class ServerConfig(BaseModel):
     """Consecutive forward/forward_backward requests of one model (the chunks of a big batch)
     share one engine call up to this many tokens; the first always runs."""
     log_level: str = "info"
+    """debug, info, warning or error."""
     quotas: Quotas = Quotas()
-    """Every tenant's default quotas (unset: unlimited); see treadle.server.quotas."""
+    """Every tenant's default quotas (unset: unlimited); see treadle.server.tenancy.quotas."""
     tenant_quotas: dict[str, Quotas] = {}
     """Per tenant name: quotas over the defaults (the database's, set with `treadle admin
     set-quotas`, win over these)."""
@@ -103,3 +123,44 @@ class ServerConfig(BaseModel):
     @property
     def artifacts_dir(self) -> Path:
         return Path(self.data_dir).resolve() / "artifacts"
+
+
+# Flags kept from before they were generated; the generated `--db-url` works too.
+FLAG_ALIASES = {"db_url": ["--db"]}
+CHOICES = {"dtype": ["float32", "bfloat16"], "log_level": ["debug", "info", "warning", "error"]}
+
+
+def serve_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per scalar ServerConfig field (`data_dir` → `--data-dir`), its docstring as
+    help; a flag left out keeps the config file's value or the field's default."""
+    for name, field in ServerConfig.model_fields.items():
+        kind = _scalar_type(field.annotation)
+        if kind is None:
+            continue  # dicts and nested settings come from --model and --config
+        flags = [f"--{name.replace('_', '-')}", *FLAG_ALIASES.get(name, [])]
+        help_text = f"{field.description or ''} (default {field.default!r})".strip()
+        parser.add_argument(
+            *flags,
+            dest=name,
+            type=kind,
+            choices=CHOICES.get(name),
+            default=None,
+            help=help_text.replace("%", "%%"),
+        )
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields given as flags."""
+    return {
+        name: getattr(args, name)
+        for name in ServerConfig.model_fields
+        if getattr(args, name, None) is not None
+    }
+
+
+def _scalar_type(annotation: Any) -> type | None:
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    kinds = [a for a in options if a is not type(None)] or [annotation]
+    if len(kinds) == 1 and kinds[0] in (str, int, float):
+        return kinds[0]
+    return None

@@ -11,6 +11,7 @@ server can answer 400 without touching the engine.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -93,24 +94,54 @@ def tensor_to_proto(td: TensorData) -> pb.Tensor:
 
 def tensor_from_proto(msg: pb.Tensor, field: str) -> TensorData:
     """Decode a dense or sparse-CSR Tensor; CSR is densified with 0 in unlisted cells."""
+    return _tensor_data(tensor_array(msg, field), _WIRE_OF_DTYPE.get(msg.dtype, "float32"))
+
+
+def tensor_array(
+    msg: pb.Tensor, field: str, lead: int | None = None, max_cells: int | None = None
+) -> np.ndarray:
+    """A Tensor as a numpy array (float32 or int64).
+
+    Sizes are checked before anything is allocated: with `lead`, the first dimension must
+    be `lead`; with `max_cells`, the array may hold at most that many cells (a sparse CSR
+    tensor declares its shape in a few bytes, so its densified size is checked, not its
+    body's).
+    """
     if msg.dtype not in _NP_OF_DTYPE:
         raise InvalidRequestError(
             f"{field}.dtype: expected FLOAT32, INT64, INT32 or BFLOAT16, got {msg.dtype}"
         )
-    np_dtype, wire_dtype = _NP_OF_DTYPE[msg.dtype], _WIRE_OF_DTYPE[msg.dtype]
+    np_dtype = _NP_OF_DTYPE[msg.dtype]
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape):
         raise InvalidRequestError(f"{field}.shape: negative size in {shape}")
-    if msg.WhichOneof("encoding") == "sparse_csr":
-        return _tensor_data(_csr_to_dense(msg, np_dtype, shape, field), wire_dtype)
-    values = _widen(_frombuffer(msg.dense, np_dtype, f"{field}.dense"), msg.dtype)
-    if shape:
-        if math.prod(shape) != values.size:
+    sparse = msg.WhichOneof("encoding") == "sparse_csr"
+    if shape or sparse:
+        if lead is not None and (not shape or shape[0] != lead):
             raise InvalidRequestError(
-                f"{field}: shape {shape} needs {math.prod(shape)} values, got {values.size}"
+                f"{field}: expected leading length {lead} (the model_input length), "
+                f"got shape {shape}"
             )
-        values = values.reshape(shape)
-    return _tensor_data(values, wire_dtype)
+        if max_cells is not None and math.prod(shape) > max_cells:
+            raise InvalidRequestError(
+                f"{field}: shape {shape} holds {math.prod(shape)} cells, over the limit "
+                f"of {max_cells} for this request"
+            )
+    if sparse:
+        return _csr_to_dense(msg, np_dtype, shape, field)
+    values = _widen(_frombuffer(msg.dense, np_dtype, f"{field}.dense"), msg.dtype)
+    if not shape:
+        if lead is not None and values.size != lead:
+            raise InvalidRequestError(
+                f"{field}: expected leading length {lead} (the model_input length), "
+                f"got {values.size} values"
+            )
+        return values
+    if math.prod(shape) != values.size:
+        raise InvalidRequestError(
+            f"{field}: shape {shape} needs {math.prod(shape)} values, got {values.size}"
+        )
+    return values.reshape(shape)
 
 
 def _csr_to_dense(msg: pb.Tensor, np_dtype: np.dtype, shape: list[int], field: str) -> np.ndarray:
@@ -173,59 +204,126 @@ def encode_forward_backward_request(
     return msg.SerializeToString()
 
 
-def decode_forward_backward_request(
-    body: bytes,
-) -> tuple[str, int, list[Datum], str, dict[str, float | str], bool]:
-    """→ (model_id, seq_id, data, loss_fn, loss_fn_config, forward_only).
+@dataclass
+class DatumArrays:
+    """One datum of a forward_backward request, as the server reads it: numpy, no lists."""
 
-    loss_fn_config_v2 wins over the legacy map for keys present in both.
-    """
-    msg = _parse(pb.ForwardBackwardRequest, body, "ForwardBackwardRequest")
+    tokens: np.ndarray  # (T,) int64
+    loss_fn_inputs: dict[str, np.ndarray]  # (T,) or (T, K); float32 or int64
+
+
+@dataclass
+class ForwardBackwardArrays:
+    model_id: str
+    seq_id: int
+    data: list[DatumArrays]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+
+
+def parse_forward_backward_request(body: bytes) -> pb.ForwardBackwardRequest:
+    """The protobuf message, parsed but not yet read into arrays (its model_id, seq_id and
+    forward_only are known, its tensors not yet checked)."""
+    return _parse(pb.ForwardBackwardRequest, body, "ForwardBackwardRequest")
+
+
+def forward_backward_arrays(
+    msg: pb.ForwardBackwardRequest, max_cells: int
+) -> ForwardBackwardArrays:
+    """A parsed ForwardBackwardRequest as numpy arrays, checked before anything is
+    allocated: every loss input leads with its datum's model_input length, and all the loss
+    inputs of the request hold at most `max_cells` cells together (a sparse tensor is
+    densified only within that budget). loss_fn_config_v2 wins over the legacy map."""
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         kind = value.WhichOneof("value")
         if kind is not None:
             config[key] = value.number if kind == "number" else value.text
-    data = [_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)]
-    return msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only)
+    data, budget = [], max_cells
+    for i, d in enumerate(msg.data):
+        datum = _datum_arrays(d, f"data[{i}]", budget)
+        budget -= sum(a.size for a in datum.loss_fn_inputs.values())
+        data.append(datum)
+    return ForwardBackwardArrays(
+        msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only)
+    )
 
 
-def _datum_from_proto(msg: pb.Datum, field: str) -> Datum:
-    chunks = []
+def _datum_arrays(msg: pb.Datum, field: str, max_cells: int) -> DatumArrays:
+    parts = []
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise InvalidRequestError(
                 f"{field}.model_input[{j}]: only encoded_text chunks are supported, got {kind}"
             )
-        tokens = _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{field}.model_input")
-        chunks.append(EncodedTextChunk(tokens=tokens.tolist()))
-    inputs = {
-        key: tensor_from_proto(t, f"{field}.loss_fn_inputs[{key!r}]")
-        for key, t in msg.loss_fn_inputs.items()
-    }
-    return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+        parts.append(
+            _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{field}.model_input")
+        )
+    tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    inputs = {}
+    for key, t in sorted(msg.loss_fn_inputs.items()):
+        where = f"{field}.loss_fn_inputs[{key!r}]"
+        inputs[key] = tensor_array(t, where, lead=len(tokens), max_cells=max_cells)
+        max_cells -= inputs[key].size
+    return DatumArrays(tokens, inputs)
+
+
+def decode_forward_backward_request(
+    body: bytes,
+) -> tuple[str, int, list[Datum], str, dict[str, float | str], bool]:
+    """The same request as wire Datums: → (model_id, seq_id, data, loss_fn, loss_fn_config,
+    forward_only). For tools and tests; the server reads arrays."""
+    fb = forward_backward_arrays(parse_forward_backward_request(body), max_cells=2**62)
+    data = [
+        Datum(
+            model_input=ModelInput(chunks=[EncodedTextChunk(tokens=d.tokens.tolist())]),
+            loss_fn_inputs={
+                k: _tensor_data(v, "int64" if v.dtype.kind == "i" else "float32")
+                for k, v in d.loss_fn_inputs.items()
+            },
+        )
+        for d in fb.data
+    ]
+    return fb.model_id, fb.seq_id, data, fb.loss_fn, fb.loss_fn_config, fb.forward_only
 
 
 # ---- ForwardBackwardOutput ------------------------------------------------------------------
 
 
 def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
-    """One ArrayRecord per run of datums that share every field's dtype and trailing shape.
+    arrays = [
+        {k: td.to_numpy().astype(_NP_OF_WIRE[td.dtype]) for k, td in o.items()}
+        for o in out.loss_fn_outputs
+    ]
+    return encode_forward_backward_arrays(arrays, out.metrics, out.loss_fn_output_type)
+
+
+def encode_forward_backward_arrays(
+    outputs: list[dict[str, np.ndarray]],
+    metrics: dict[str, float],
+    output_type: str = "TensorData",
+) -> bytes:
+    """A ForwardBackwardOutput straight from numpy (float32 / int64 arrays): one ArrayRecord
+    per run of datums that share every field's dtype and trailing shape.
 
     Field names must be the same for all datums: the SDK concatenates records by field name.
     """
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type)
-    for key, value in out.metrics.items():
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=output_type)
+    for key, value in metrics.items():
         msg.metrics[key] = float(value)
-    outputs = out.loss_fn_outputs
     if outputs:
         names = sorted(outputs[0])
         for i, o in enumerate(outputs):
             if sorted(o) != names:
                 raise ValueError(f"loss_fn_outputs[{i}] has fields {sorted(o)}, expected {names}")
     arrays = [
-        {k: td.to_numpy().astype(_NP_OF_WIRE[td.dtype]) for k, td in o.items()} for o in outputs
+        {
+            k: np.ascontiguousarray(v, dtype="<i8" if v.dtype.kind in "iu" else "<f4")
+            for k, v in o.items()
+        }
+        for o in outputs
     ]
 
     def signature(i: int) -> tuple:

@@ -1,0 +1,280 @@
+"""What the engine accepts, as one torch-free table and three validators that both sides use.
+
+The server checks every request at its edge with these functions (so a bad request gets a
+400 naming its field before anything is queued), and the engine checks again with the same
+functions before any model work (so nothing reaches the tensors unchecked). One table,
+one set of messages: the two can never drift apart.
+
+Bounds: values that cannot be meant are refused, not just non-finite ones. They are
+generous on purpose (a real loop stays orders of magnitude inside them):
+
+| value                                   | accepted                          |
+|-----------------------------------------|-----------------------------------|
+| loss_fn_inputs weights, advantages,     | finite, |x| <= 1e6                |
+| logprobs, clip thresholds               |                                   |
+| loss_fn_config values                   | finite, |x| <= 1e6                |
+| adam learning_rate                      | 0 <= lr <= 10                     |
+| adam beta1, beta2                       | [0, 1)                            |
+| adam eps                                | 0 <= eps <= 1                     |
+| adam weight_decay                       | 0 <= wd <= 10                     |
+| adam grad_clip_norm                     | finite, >= 0 (0: no clipping)     |
+| top-K target columns (distillation)     | K <= 1024                         |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from treadle.engine.types import AdamSpec, SampleRequest, TrainDatum
+from treadle.errors import InvalidRequestError
+
+MAX_ABS_LOSS_VALUE = 1e6
+MAX_LEARNING_RATE = 10.0
+MAX_WEIGHT_DECAY = 10.0
+MAX_TOPK_COLUMNS = 1024
+CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss_fn_inputs a loss needs and may take, and its loss_fn_config keys."""
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    config: tuple[str, ...] = ()
+    top_k: bool = False  # accepts (T, K) target_tokens
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+_RL = ("target_tokens", "logprobs", "advantages")
+_CLIP = ("clip_low_threshold", "clip_high_threshold")
+LOSS_SPECS: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(("target_tokens", "weights"), top_k=True),
+    "importance_sampling": LossSpec(_RL),
+    "ppo": LossSpec(_RL, optional=_CLIP, config=_CLIP),
+    "cispo": LossSpec(_RL, optional=_CLIP, config=_CLIP),
+    "dro": LossSpec(_RL, config=("beta",)),
+}
+FLOAT_INPUTS = ("weights", "logprobs", "advantages", *_CLIP)
+
+
+def loss_spec(loss_fn: str) -> LossSpec:
+    spec = LOSS_SPECS.get(loss_fn)
+    if spec is None:
+        raise InvalidRequestError(
+            f"loss_fn: unknown loss {loss_fn!r}; loss_fn must be one of {sorted(LOSS_SPECS)}"
+        )
+    return spec
+
+
+# ---- forward / forward_backward ------------------------------------------------------------
+
+
+def validate_train_batch(
+    data: list[TrainDatum],
+    loss_fn: str,
+    loss_config: dict[str, Any],
+    vocab_size: int,
+    max_seq_len: int,
+    where: str = "data[{i}].",
+) -> dict[str, float]:
+    """Raise InvalidRequestError naming the datum, the key, the expected and the received
+    value; → the numeric loss config. `where` prefixes each datum's messages."""
+    spec = loss_spec(loss_fn)
+    config = _validate_config(loss_fn, spec, loss_config)
+    if not data:
+        raise InvalidRequestError("data must hold at least one datum, got an empty list")
+    for i, datum in enumerate(data):
+        _validate_datum(datum, loss_fn, spec, vocab_size, max_seq_len, where.format(i=i))
+    return config
+
+
+def _validate_datum(
+    datum: TrainDatum, loss_fn: str, spec: LossSpec, vocab: int, max_len: int, where: str
+) -> None:
+    tokens = _int_array(datum.tokens, where + "model_input")
+    if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= max_len:
+        raise InvalidRequestError(
+            f"{where}model_input has shape {tokens.shape}, expected (T,) with 1 <= T <= {max_len}"
+        )
+    check_ids(tokens, vocab, where + "model_input")
+    T = tokens.shape[0]
+    inputs = datum.loss_inputs
+    for key in spec.required:
+        if key not in inputs:
+            raise InvalidRequestError(
+                f"{where}loss_fn_inputs is missing {key!r}: {loss_fn} needs {key!r} "
+                f"(required: {list(spec.required)}; got {sorted(inputs)})"
+            )
+    unknown = sorted(set(inputs) - set(spec.inputs))
+    if unknown:
+        raise InvalidRequestError(
+            f"{where}loss_fn_inputs has unexpected key {unknown[0]!r}; {loss_fn} takes "
+            f"{list(spec.inputs)}"
+        )
+    name = where + "loss_fn_inputs['target_tokens']"
+    targets = _int_array(inputs["target_tokens"], name)
+    top_k_ok = spec.top_k and targets.ndim == 2 and 1 <= targets.shape[1] <= MAX_TOPK_COLUMNS
+    if targets.shape[:1] != (T,) or not (targets.ndim == 1 or top_k_ok):
+        expected = f"({T},) or ({T}, K)" if spec.top_k else f"({T},)"
+        k_cap = f" (K <= {MAX_TOPK_COLUMNS})" if spec.top_k else ""
+        raise InvalidRequestError(
+            f"{name} has shape {targets.shape}, expected {expected} to match model_input{k_cap}"
+        )
+    check_ids(targets, vocab, name)
+    for key in spec.inputs:
+        if key == "target_tokens" or key not in inputs:
+            continue
+        expected = targets.shape if key == "weights" else (T,)
+        value = np.asarray(inputs[key])
+        if value.shape != expected:
+            to = "target_tokens" if key == "weights" else "model_input"
+            raise InvalidRequestError(
+                f"{where}loss_fn_inputs[{key!r}] has shape {value.shape}, expected "
+                f"{expected} to match {to}"
+            )
+        if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+            raise InvalidRequestError(
+                f"{where}loss_fn_inputs[{key!r}] must hold finite numbers, got "
+                f"dtype {value.dtype} with non-finite or non-numeric values"
+            )
+        if value.size and np.abs(value).max() > MAX_ABS_LOSS_VALUE:
+            raise InvalidRequestError(
+                f"{where}loss_fn_inputs[{key!r}] must lie within ±{MAX_ABS_LOSS_VALUE:g}, "
+                f"got {float(np.abs(value).max()):g}"
+            )
+
+
+def _validate_config(name: str, spec: LossSpec, config: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in config.items():
+        if key not in spec.config:
+            raise InvalidRequestError(
+                f"loss_fn_config[{key!r}] is not a setting of {name}; expected keys "
+                f"{list(spec.config)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(
+                f"loss_fn_config[{key!r}] must be a finite number, got {value!r}"
+            )
+        if not math.isfinite(value) or abs(value) > MAX_ABS_LOSS_VALUE:
+            raise InvalidRequestError(
+                f"loss_fn_config[{key!r}] must be a finite number within "
+                f"±{MAX_ABS_LOSS_VALUE:g}, got {value!r}"
+            )
+        out[key] = float(value)
+    lo = out.get("clip_low_threshold", CLIP_DEFAULTS["clip_low_threshold"])
+    hi = out.get("clip_high_threshold", CLIP_DEFAULTS["clip_high_threshold"])
+    if "clip_low_threshold" in spec.config and not 0 <= lo <= hi:
+        raise InvalidRequestError(
+            "loss_fn_config needs 0 <= clip_low_threshold <= clip_high_threshold, got "
+            f"{lo} and {hi}"
+        )
+    if out.get("beta", 0.0) < 0:
+        raise InvalidRequestError(f"loss_fn_config['beta'] must be >= 0, got {out['beta']}")
+    return out
+
+
+def _int_array(value: object, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind in "iu":
+        return arr
+    if arr.dtype.kind == "f" and np.isfinite(arr).all() and (arr == np.round(arr)).all():
+        return arr.astype(np.int64)
+    raise InvalidRequestError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+
+
+def check_ids(ids: np.ndarray | list[int], vocab_size: int, name: str) -> None:
+    """Token ids must lie in [0, vocab_size)."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)].flat[0]
+        raise InvalidRequestError(
+            f"{name} holds token id {int(bad)}, expected ids in [0, {vocab_size}) "
+            "(it is outside the vocabulary)"
+        )
+
+
+# ---- optim_step --------------------------------------------------------------------------------
+
+
+def validate_adam(spec: AdamSpec) -> None:
+    checks = [
+        ("learning_rate", spec.learning_rate, 0 <= spec.learning_rate <= MAX_LEARNING_RATE,
+         f"in [0, {MAX_LEARNING_RATE:g}]"),
+        ("beta1", spec.beta1, 0 <= spec.beta1 < 1, "in [0, 1)"),
+        ("beta2", spec.beta2, 0 <= spec.beta2 < 1, "in [0, 1)"),
+        ("eps", spec.eps, 0 < spec.eps <= 1, "in (0, 1]"),
+        ("weight_decay", spec.weight_decay, 0 <= spec.weight_decay <= MAX_WEIGHT_DECAY,
+         f"in [0, {MAX_WEIGHT_DECAY:g}]"),
+        ("grad_clip_norm", spec.grad_clip_norm, spec.grad_clip_norm >= 0, ">= 0 (0: no clipping)"),
+    ]  # fmt: skip
+    for name, value, ok, expected in checks:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(f"adam_params.{name} must be a number, got {value!r}")
+        if not math.isfinite(value) or not ok:
+            raise InvalidRequestError(f"adam_params.{name} must be {expected}, got {value!r}")
+
+
+# ---- sample -------------------------------------------------------------------------------------
+
+
+def validate_sample_request(
+    req: SampleRequest, vocab_size: int, max_seq_len: int, where: str = ""
+) -> None:
+    """Raise InvalidRequestError naming the field (as the wire names it), the expected and
+    the received value. `where` prefixes every message (e.g. "requests[3].")."""
+    V, sp, P = int(vocab_size), req.params, len(req.prompt)
+    if P == 0:
+        raise InvalidRequestError(f"{where}prompt must hold at least 1 token, got 0")
+    check_ids(req.prompt, V, f"{where}prompt")
+    if req.num_samples < 1:
+        raise InvalidRequestError(f"{where}num_samples must be >= 1, got {req.num_samples}")
+    if not 0 <= sp.max_tokens <= max_seq_len - P:
+        raise InvalidRequestError(
+            f"{where}sampling_params.max_tokens: expected 0..{max(0, max_seq_len - P)} "
+            f"(the model's context {max_seq_len} minus the {P} prompt tokens), "
+            f"got {sp.max_tokens}"
+        )
+    if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):
+        raise InvalidRequestError(
+            f"{where}sampling_params.temperature must be a finite number >= 0, got {sp.temperature}"
+        )
+    if not 0 < sp.top_p <= 1:
+        raise InvalidRequestError(f"{where}sampling_params.top_p must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < -1:
+        raise InvalidRequestError(
+            f"{where}sampling_params.top_k must be -1 or 0 (off) or a positive count, "
+            f"got {sp.top_k}"
+        )
+    check_ids(sp.stop_tokens, V, f"{where}sampling_params.stop (stop_tokens)")
+    if any(not isinstance(s, str) or s == "" for s in sp.stop_strings):
+        raise InvalidRequestError(
+            f"{where}sampling_params.stop (stop_strings) must be non-empty strings, "
+            f"got {sp.stop_strings!r}"
+        )
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        k = getattr(req, name)
+        if not 0 <= k <= min(V, MAX_TOPK_COLUMNS):
+            raise InvalidRequestError(
+                f"{where}{name} must be in [0, {min(V, MAX_TOPK_COLUMNS)}], got {k}"
+            )
+    ids = req.target_prompt_ids
+    if ids is not None:
+        if ids.ndim != 2 or ids.shape[0] != P - 1 or not 1 <= ids.shape[1] <= MAX_TOPK_COLUMNS:
+            raise InvalidRequestError(
+                f"{where}target_prompt_logprobs must be ({P - 1}, K) (prompt length - 1 rows, "
+                f"1 <= K <= {MAX_TOPK_COLUMNS}), got shape {tuple(ids.shape)}"
+            )
+        if ((ids < -1) | (ids >= V)).any():
+            raise InvalidRequestError(
+                f"{where}target_prompt_logprobs holds token ids outside the vocabulary "
+                f"[0, {V}) (-1 asks for nothing)"
+            )

@@ -1,0 +1,1 @@
+"""The HTTP edge: the Tinker routes and the OpenAI-compatible routes."""

@@ -1,0 +1,139 @@
+"""Sampling for the /v1 routes, through the same path as asample: the request is checked by
+the same validator and filed as a sample op with `Futures.file`, so it is queued, batched
+with everyone else's, recorded and metered the same way; its typed result is awaited with
+`Futures.result`, which raises the engine's error as its own class (a 404 stays a 404, a
+quota's 429 a 429). No protobuf on this path.
+
+Seeds map one to one: `seed` here is `SamplingParams.seed` there, and `n` is
+`num_samples`, so a request with a seed returns the very tokens that `SamplingClient.sample`
+returns for the same prompt tokens and settings.
+
+top_logprobs need the whole distribution at each sampled position, which a decode step does
+not keep: they come from a second, scoring-only pass over prompt + completion (the
+raw-distribution logprobs the sampler reports, so the two agree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from treadle.engine.types import SampleRequest as EngineSampleRequest
+from treadle.engine.types import SampleResult, SampleSpec
+from treadle.errors import InvalidRequestError
+from treadle.server.api.openai.resolve import Target
+from treadle.server.api.openai.schemas import Sampling
+from treadle.server.core import validation
+from treadle.server.core.state import ServerState
+from treadle.server.runtime.ops import OpKind, Sample
+from treadle.server.tenancy.auth import Tenant
+from treadle.types import ModelInput, SamplingParams
+from treadle.wire.requests import SampleRequest
+
+
+@dataclass
+class Sampled:
+    """One choice: its tokens, their logprobs, why it ended, and the top-K at each token."""
+
+    tokens_T: list[int]
+    logprobs_T: list[float]
+    stop_reason: str
+    top_TK: list[list[tuple[int, float]]] | None = None
+
+
+def check_room(
+    state: ServerState, target: Target, prompt_T: list[int], spec: Sampling, field: str
+) -> int:
+    """→ max_tokens: the one asked for, or all the room the context leaves."""
+    max_len = state.engines.facts(target.base_model).max_seq_len
+    P = len(prompt_T)
+    if P == 0:
+        raise InvalidRequestError(f"{field}: renders to no tokens")
+    if P >= max_len:
+        raise InvalidRequestError(
+            f"{field}: {P} prompt tokens leave no room to sample (the context of "
+            f"{target.base_model!r} is {max_len} tokens)"
+        )
+    room = max_len - P
+    if spec.max_tokens is None:  # all the room, or what the server's input limits allow
+        default = state.admission.default_max_tokens(target.base_model, max_len, P)
+        return room if default is None else min(room, default)
+    if spec.max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens: expected 1..{room} (the context {max_len} minus {P} prompt tokens), "
+            f"got {spec.max_tokens}"
+        )
+    return spec.max_tokens
+
+
+async def sample(
+    state: ServerState,
+    tenant: Tenant,
+    target: Target,
+    prompt_T: list[int],
+    spec: Sampling,
+    max_tokens: int,
+) -> list[Sampled]:
+    """`spec.n` continuations of one prompt (and their top-K logprobs if asked)."""
+    facts = state.engines.facts(target.base_model)
+    body = SampleRequest(
+        num_samples=spec.n,
+        prompt=ModelInput.from_ints(prompt_T),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens,
+            seed=spec.seed,
+            stop=spec.stop or None,
+            temperature=spec.temperature,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+        ),
+        sampling_session_id=target.sampling_session_id,
+    )
+    request = validation.sample_request(body, target.adapter, facts, None)
+    result = await _run(state, tenant, target, request)
+    out = [Sampled(s.tokens, list(s.logprobs or []), s.stop_reason) for s in result.sequences]
+    if spec.top_logprobs > 0:
+        tops = await asyncio.gather(
+            *(_top_k(state, tenant, target, prompt_T, s.tokens_T, spec.top_logprobs) for s in out)
+        )
+        for s, top in zip(out, tops, strict=True):
+            s.top_TK = top
+    return out
+
+
+async def _top_k(
+    state: ServerState,
+    tenant: Tenant,
+    target: Target,
+    prompt_T: list[int],
+    tokens_T: list[int],
+    k: int,
+) -> list[list[tuple[int, float]]]:
+    if not tokens_T:
+        return []
+    request = EngineSampleRequest(
+        prompt=prompt_T + tokens_T,
+        num_samples=1,
+        params=SampleSpec(max_tokens=0),
+        adapter=target.adapter,
+        topk_prompt_logprobs=k,
+    )
+    result = await _run(state, tenant, target, request)
+    top = result.topk_prompt_logprobs or []
+    return [list(map(tuple, row or [])) for row in top[len(prompt_T) :]]
+
+
+async def _run(
+    state: ServerState, tenant: Tenant, target: Target, request: EngineSampleRequest
+) -> SampleResult:
+    rid = await state.futures.file(
+        state.engines.require(target.base_model),
+        OpKind.SAMPLE,
+        Sample(request),
+        tenant=tenant,
+        session_id=target.session_id,
+        sampling_session_id=target.sampling_session_id,
+    )
+    result = await state.futures.result(rid)
+    assert isinstance(result, SampleResult)
+    return result

@@ -1,0 +1,64 @@
+"""Treadle's own routes, beside the Tinker protocol, under /api/v1/treadle/."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.server.api.deps import StateDep, TenantDep
+from treadle.server.tenancy import metering
+
+router = APIRouter(prefix="/api/v1/treadle")
+
+# What AutoTokenizer.from_pretrained needs, for the tokenizer kinds HF folders hold.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+@router.get("/models/{name:path}/tokenizer")
+def get_tokenizer(name: str, state: StateDep) -> Response:
+    """A zip of the served model's tokenizer files, flat; AutoTokenizer loads the folder
+    they unpack to. `name` is the served name (may contain '/')."""
+    if name not in state.config.models:
+        raise NotFoundError(
+            f"model {name!r} is not served here; served: {sorted(state.config.models)}"
+        )
+    folder = Path(state.config.models[name])
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for fname in TOKENIZER_FILES:
+            if (folder / fname).is_file():
+                zf.write(folder / fname, arcname=fname)
+    return Response(content=buf.getvalue(), media_type="application/zip")
+
+
+@router.get("/usage")
+def get_usage(
+    state: StateDep, tenant: TenantDep, since: str | None = None, by: str | None = None
+) -> dict[str, Any]:
+    """The caller's tenant's metered tokens and their cost (treadle.server.tenancy.metering):
+    totals, or rows `by` session, day or model; `since` a date or ISO time (UTC)."""
+    try:
+        when = metering.parse_since(since)
+        if by is not None and by not in metering.GROUPINGS:
+            raise ValueError(f"by: expected one of {list(metering.GROUPINGS)}, got {by!r}")
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
+    return metering.usage_report(
+        state.store.engine, state.config.prices, tenant_id=tenant.tenant_id, since=when, by=by
+    )

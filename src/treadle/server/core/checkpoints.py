@@ -1,0 +1,81 @@
+"""Saved checkpoints (tinker:// paths) and training runs: lookups and listings, all scoped
+by the caller's tenant (another tenant's is the same 404 as a missing one)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+from sqlalchemy import select
+
+from treadle.errors import NotFoundError
+from treadle.server.storage import artifacts
+from treadle.server.storage.database import Store
+from treadle.server.storage.rows import CheckpointRow, ModelRow
+from treadle.server.tenancy.auth import owns
+
+
+class Checkpoints:
+    def __init__(self, store: Store):
+        self.store = store
+
+    async def get(self, path: str, field: str = "path") -> CheckpointRow:
+        """The caller's checkpoint at a tinker:// path (read off the event loop)."""
+        artifacts.parse_tinker_path(path, field)
+        row = await asyncio.to_thread(self.store.get, CheckpointRow, path)
+        if row is None or not owns(row.tenant_id):
+            raise NotFoundError(f"{field}: checkpoint {path!r} not found")
+        return row
+
+    def of_run(self, run: ModelRow, checkpoint_id: str) -> CheckpointRow:
+        """A run's checkpoint by its id ("weights/<name>", "sampler_weights/<name>", ...)."""
+        path = f"tinker://{run.run_id}/{checkpoint_id}"
+        artifacts.parse_tinker_path(path, "checkpoint_id")
+        row = self.store.get(CheckpointRow, path)
+        if row is None or not owns(row.tenant_id):
+            raise NotFoundError(f"checkpoint {path!r} not found")
+        return row
+
+    def run_checkpoints(self, run: ModelRow) -> list[CheckpointRow]:
+        """A run's checkpoints, newest first."""
+        return self.store.query(
+            select(CheckpointRow)
+            .where(CheckpointRow.run_id == run.run_id)
+            .order_by(CheckpointRow.created_at.desc())
+        )
+
+    def page(self, tenant_id: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
+        """The tenant's checkpoints, newest first; → (this page, how many in all)."""
+        stmt = (
+            select(CheckpointRow)
+            .where(CheckpointRow.tenant_id == tenant_id)
+            .order_by(CheckpointRow.created_at.desc())
+        )
+        return self.store.query(stmt.offset(offset).limit(limit)), self.store.count(stmt)
+
+    def runs_page(self, tenant_id: str, limit: int, offset: int) -> tuple[list[ModelRow], int]:
+        """The tenant's training runs (one per training model), newest first."""
+        stmt = (
+            select(ModelRow)
+            .where(ModelRow.tenant_id == tenant_id)
+            .order_by(ModelRow.created_at.desc())
+        )
+        return self.store.query(stmt.offset(offset).limit(limit)), self.store.count(stmt)
+
+    def newest_sampler_checkpoints(self, tenant_id: str, limit: int) -> list[CheckpointRow]:
+        return self.store.query(
+            select(CheckpointRow)
+            .where(
+                (CheckpointRow.checkpoint_type == "sampler")
+                & (CheckpointRow.tenant_id == tenant_id)
+            )
+            .order_by(CheckpointRow.created_at.desc())
+            .limit(limit)
+        )
+
+    def delete(self, row: CheckpointRow) -> None:
+        """The checkpoint's files and row (versions published from it stay: they are copies
+        in the group's store, deleted through the registry)."""
+        with self.store.session.begin() as s:
+            s.delete(s.get(CheckpointRow, row.tinker_path))
+        shutil.rmtree(row.dir, ignore_errors=True)

@@ -1,0 +1,307 @@
+"""Futures: filing an op (once per (model, seq_id) or (sampler, seq_id)), and its outcome.
+
+One database write per request, one per result, both through the journal:
+- `file` commits the request row, then hands the op to its engine (never before: a write
+  that fails queues nothing); a resubmitted key gets the original request_id back and
+  queues nothing, whether memory still knows the key or only the database does;
+- `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them, and
+  only then wakes their polls (treadle.server.core.board): a client is told of a result
+  only once it is on disk;
+- `poll` serves the HTTP long poll (from memory, else from the row), `result` the
+  in-process callers (the typed result, or the error raised as its own class).
+
+A training request refused at the edge still uses up its seq_id (the SDK reserved it, and
+the model's later requests must not wait for it forever): a failed future is filed in its
+place with a "skip" op, then the error goes back to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from treadle.errors import (
+    ErrorInfo,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaExceededError,
+    TreadleError,
+)
+from treadle.server.core.board import FutureBoard
+from treadle.server.core.limits import Admission
+from treadle.server.core.results import encode, error_json, error_of
+from treadle.server.runtime.engine_client import EngineClient
+from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.ops import Op, OpKind, Outcome, Payload, Result, Skip
+from treadle.server.storage.queries import (
+    Finished,
+    finish_requests,
+    insert_request,
+    request_id_of,
+    request_row,
+)
+from treadle.server.storage.rows import new_id
+from treadle.server.tenancy.auth import Tenant, owns
+
+log = logging.getLogger("treadle.futures")
+
+# Dedup keys remembered in memory; an older key is still recognised, by the database.
+MAX_FILED_KEYS = 100_000
+# Owners of futures remembered in memory; an older one is read from its request row.
+MAX_REQUEST_OWNERS = 100_000
+
+
+@dataclass
+class Polled:
+    """What a long poll found: a finished request's stored form, or None while pending."""
+
+    kind: str
+    finished: Finished | None
+
+
+class Futures:
+    def __init__(
+        self, journal: Journal, board: FutureBoard, admission: Admission, long_poll_s: float
+    ):
+        self.journal = journal
+        self.board = board
+        self.admission = admission
+        self.long_poll_s = long_poll_s
+        # dedup key → request_id, or the commit still in flight for it
+        self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
+        self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
+
+    # ---- filing ----
+    async def file(
+        self,
+        engine: EngineClient,
+        kind: OpKind,
+        payload: Payload,
+        *,
+        tenant: Tenant,
+        session_id: str | None,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        sampling_session_id: str | None = None,
+    ) -> str:
+        """File a future and queue its op; → its request_id (a resubmission's is the
+        original's, and nothing is queued again)."""
+        owner = model_id if sampling_session_id is None else sampling_session_id
+        key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
+        if key is not None and (found := await self._known(key)) is not None:
+            return found
+        if kind != OpKind.SAMPLE:
+            if seq_id is None:
+                raise InvalidRequestError("seq_id: required for training requests")
+            try:
+                engine.check_seq(model_id, seq_id)
+            except InvalidRequestError:
+                # a seq_id that ran long ago: a resubmission whose key memory let go
+                if (found := await self._filed_in_db(key)) is not None:
+                    return found
+                raise
+        if kind != OpKind.SKIP:
+            try:
+                self.admission.check_op(tenant, engine.name, kind, payload)
+            except (InvalidRequestError, QuotaExceededError) as e:
+                if kind != OpKind.SAMPLE and not _clears_with_time(e):
+                    await self._skip(engine, tenant, session_id, model_id, seq_id, e)
+                raise
+        op = Op(new_id(), kind, payload, model_id, seq_id)
+        values = {
+            "request_id": op.request_id,
+            "kind": str(kind),
+            "tenant_id": tenant.tenant_id,
+            "base_model": engine.name,  # the served model: prices are per model
+            "session_id": session_id,
+            "model_id": model_id,
+            "sampling_session_id": sampling_session_id,
+            "seq_id": seq_id,
+            "dedup_key": key,
+        }
+        self.expect(op.request_id, kind, tenant.tenant_id)
+        committed = self.journal.run(
+            functools.partial(insert_request, values=values), then=lambda _: engine.submit(op)
+        )
+        # bookkeeping in a callback, so that it happens even if this request is cancelled
+        committed.add_done_callback(functools.partial(self._settled, key, op.request_id))
+        if key is not None:
+            self.filed[key] = committed
+        try:
+            return await asyncio.shield(committed)
+        except IntegrityError:
+            # filed before under this key, by a request whose key memory let go
+            if (found := await self._filed_in_db(key)) is not None:
+                return found
+            raise
+
+    @contextlib.asynccontextmanager
+    async def refusing(
+        self,
+        engine: EngineClient,
+        tenant: Tenant,
+        session_id: str,
+        model_id: str,
+        seq_id: int | None,
+    ) -> AsyncIterator[None]:
+        """Checks made at the edge of a training request: a refusal still fills its seq_id."""
+        try:
+            yield
+        except (InvalidRequestError, QuotaExceededError) as e:
+            if not _clears_with_time(e) and seq_id is not None:
+                await self._skip(engine, tenant, session_id, model_id, seq_id, e)
+            raise
+
+    async def _skip(
+        self,
+        engine: EngineClient,
+        tenant: Tenant,
+        session_id: str | None,
+        model_id: str | None,
+        seq_id: int | None,
+        error: TreadleError,
+    ) -> None:
+        try:
+            await self.file(
+                engine,
+                OpKind.SKIP,
+                Skip(ErrorInfo.of(error)),
+                tenant=tenant,
+                session_id=session_id,
+                model_id=model_id,
+                seq_id=seq_id,
+            )
+        except TreadleError:
+            pass  # the seq_id was taken already (or the model is gone): nothing to fill
+
+    def expect(self, request_id: str, kind: OpKind, tenant_id: str) -> None:
+        """Register a future of this process before its op can run."""
+        self.board.expect(request_id, kind)
+        self.owners[request_id] = tenant_id
+        while len(self.owners) > MAX_REQUEST_OWNERS:
+            self.owners.popitem(last=False)
+
+    # ---- finishing (any thread; never blocks) ----
+    def finish(self, outcomes: list[Outcome]) -> None:
+        """Commit the outcomes, then hand them to their polls."""
+
+        def write(conn: Any) -> None:
+            finish_requests(conn, [encode(o) for o in outcomes])
+
+        def done(_: Any, error: BaseException | None) -> None:
+            if error is None:
+                self.board.resolve(outcomes)
+                return
+            log.error("could not record %d results", len(outcomes), exc_info=error)
+            failed = TreadleError(
+                f"the server could not record this result: {type(error).__name__}: {error}"
+            )
+            self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
+
+        self.journal.submit(write, done)
+
+    # ---- results ----
+    async def poll(self, request_id: str) -> Polled:
+        """Long-poll a future for its HTTP reply: held until it finishes or long_poll_s."""
+        filed = self.board.get(request_id)
+        owner = self.owners.get(request_id)
+        if filed is not None and owner is not None:
+            if not owns(owner):
+                raise NotFoundError(f"request_id {request_id!r} not found")
+            outcome = await self.board.wait(filed, self.long_poll_s)
+            if outcome is None:
+                return Polled(filed.kind, None)
+            self._delivered(request_id)
+            return Polled(filed.kind, encode(outcome))
+        # Not in memory: a future of a previous run, or one delivered already.
+        row = await self.journal.run(functools.partial(request_row, request_id=request_id))
+        if row is None or not owns(row["tenant_id"]):
+            raise NotFoundError(f"request_id {request_id!r} not found")
+        if filed is not None:  # ours, in memory, but its owner was forgotten: now checked
+            self.owners[request_id] = row["tenant_id"]
+            return await self.poll(request_id)
+        if row["status"] == "pending":
+            # Pending futures stay in memory until their outcome is committed; one pending on
+            # disk only was answered already, with the error that its result was not recorded.
+            lost = ErrorInfo("TreadleError", f"request {request_id!r}: its result was not recorded")
+            return Polled(row["kind"], Finished(request_id, "failed", error=error_json(lost)))
+        return Polled(row["kind"], _finished_of_row(row))
+
+    async def result(self, request_id: str) -> Result:
+        """In-process callers: the typed result of a future this process filed, or its
+        error raised as its own class (NotFoundError, QuotaExceededError, ...)."""
+        filed = self.board.get(request_id)
+        if filed is None:
+            raise TreadleError(f"request {request_id!r} is not a future of this process")
+        outcome = await self.board.wait(filed, None)
+        self._delivered(request_id)
+        if outcome.error is not None:
+            raise outcome.error.to_exception()
+        return outcome.result
+
+    def _delivered(self, request_id: str) -> None:
+        self.board.delivered(request_id)
+        self.owners.pop(request_id, None)
+
+    # ---- dedup ----
+    def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:
+        if not committed.cancelled() and committed.exception() is None:
+            if key is not None:
+                self._remember(key, rid)
+            return
+        self.board.forget(rid)
+        if key is not None and self.filed.get(key) is committed:
+            del self.filed[key]
+
+    async def _known(self, key: str) -> str | None:
+        known = self.filed.get(key)
+        if known is None or isinstance(known, str):
+            return known
+        try:  # an identical request is being filed right now: its answer is ours
+            return await asyncio.shield(known)
+        except Exception:
+            return await self._filed_in_db(key)
+
+    def _remember(self, key: str, rid: str) -> None:
+        self.filed[key] = rid
+        self.filed.move_to_end(key)
+        while len(self.filed) > MAX_FILED_KEYS:
+            oldest, value = next(iter(self.filed.items()))
+            if not isinstance(value, str):
+                break  # never drop a commit in flight
+            del self.filed[oldest]
+
+    async def _filed_in_db(self, key: str | None) -> str | None:
+        if key is None:
+            return None
+        found = await self.journal.run(functools.partial(request_id_of, dedup_key=key))
+        if found is not None:
+            self._remember(key, found)
+        return found
+
+
+def _clears_with_time(error: Exception) -> bool:
+    """A rate limit clears by waiting: the SDK sends this very request (seq_id) again."""
+    return isinstance(error, QuotaExceededError) and error.retry_after_s is not None
+
+
+def _finished_of_row(row: dict[str, Any]) -> Finished:
+    if row["status"] == "failed":
+        return Finished(row["request_id"], "failed", error=error_json(error_of(row["error"])))
+    return Finished(
+        row["request_id"],
+        "done",
+        result=row["result"],
+        content_type=row["content_type"],
+        prompt_tokens=row["prompt_tokens"] or 0,
+        sampled_tokens=row["sampled_tokens"] or 0,
+        train_tokens=row["train_tokens"] or 0,
+    )

@@ -1,0 +1,200 @@
+"""Training models: one LoRA adapter each, "<session_id>:train:<model_seq_id>", made once.
+
+The models this process made are held in memory (the hot path reads no database); one made
+by a previous run is read from its row, to say what became of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.server.core.engines import Engines
+from treadle.server.core.futures import Futures
+from treadle.server.core.limits import Admission
+from treadle.server.core.sessions import Sessions
+from treadle.server.registry.bindings import Bindings
+from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.ops import ModelResult, OpKind, Outcome
+from treadle.server.storage.database import Store
+from treadle.server.storage.queries import insert_row, set_model_status
+from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
+from treadle.server.tenancy.auth import Tenant, owns
+
+log = logging.getLogger("treadle.models")
+
+
+class TrainingModels:
+    def __init__(
+        self,
+        store: Store,
+        journal: Journal,
+        sessions: Sessions,
+        engines: Engines,
+        admission: Admission,
+        futures: Futures,
+        bindings: Bindings,
+    ):
+        self.store = store
+        self.journal = journal
+        self.sessions = sessions
+        self.engines = engines
+        self.admission = admission
+        self.futures = futures
+        self.bindings = bindings
+        self._rows: dict[str, ModelRow] = {}  # training models made by this process
+
+    def row(self, model_id: str) -> ModelRow | None:
+        found = self._rows.get(model_id)
+        return found if found is not None else self.store.get(ModelRow, model_id)
+
+    def require(self, model_id: str, field: str = "model_id") -> ModelRow:
+        """A loaded model of the caller's tenant whose session is active, else 404/410."""
+        row = self.row(model_id)
+        if row is None or not owns(row.tenant_id):
+            raise NotFoundError(f"{field}: model {model_id!r} not found")
+        self.sessions.require(row.session_id)
+        engine = self.engines.get(row.base_model)
+        if engine is None or not engine.has_model(model_id):
+            why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
+            raise NotFoundError(
+                f"{field}: model {model_id!r} {why}; create a training client from one of its "
+                "checkpoints"
+            )
+        return row
+
+    def active_count(self, tenant_id: str) -> int:
+        return sum(1 for m in self._rows.values() if m.tenant_id == tenant_id and m.status == "active")
+
+    def live(self, tenant_id: str) -> list[ModelRow]:
+        """The tenant's models that can serve requests now."""
+        out = []
+        for model_id, row in list(self._rows.items()):
+            engine = self.engines.get(row.base_model)
+            if row.tenant_id != tenant_id or row.status != "active" or engine is None:
+                continue
+            if self.sessions.is_active(row.session_id) and engine.has_model(model_id):
+                out.append(row)
+        return out
+
+    async def create(
+        self,
+        tenant: Tenant,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: dict,
+        user_metadata: dict | None,
+        held_adapters: int,
+    ) -> ModelRow:
+        """The model "<session_id>:train:<model_seq_id>", made once (a resubmit finds it).
+        `held_adapters`: what the tenant holds now (its adapter quota)."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self._rows:
+            return self._rows[model_id]
+        engine = self.engines.require(base_model)
+        rank = int(lora.get("rank") or 0)
+        self.admission.check_rank(tenant, rank)
+        if rank > engine.facts.max_lora_rank:
+            raise InvalidRequestError(
+                f"lora_config.rank: {rank} exceeds the largest useful rank of {base_model!r}, "
+                f"{engine.facts.max_lora_rank} (the width of its layers)"
+            )
+        self.admission.check_adapters(tenant, held_adapters)
+        now = utcnow()
+        values = {
+            "model_id": model_id,
+            "run_id": new_id(),
+            "session_id": session_id,
+            "tenant_id": tenant.tenant_id,
+            "base_model": base_model,
+            "lora_config": lora,
+            "user_metadata": user_metadata,
+            "status": "active",
+            "created_at": now,
+            "last_request_time": now,
+        }
+        try:
+            await self.journal.run(functools.partial(insert_row, cls=ModelRow, values=values))
+        except IntegrityError:
+            if model_id not in self._rows:  # made by an identical request meanwhile
+                raise
+        if model_id not in self._rows:
+            self._rows[model_id] = ModelRow(**values)
+            engine.add_model(model_id)
+        return self._rows[model_id]
+
+    async def bind(
+        self, row: ModelRow, group: str | None, output_path: str | None
+    ) -> None:
+        """Bind a new model to its model package group: its saves become versions there."""
+        if group is not None:
+            await asyncio.to_thread(
+                self.bindings.bind, row.model_id, row.tenant_id, group, output_path
+            )
+
+    async def unload(self, model_id: str) -> str:
+        """Free a model's adapter now (its checkpoints stay); → the future's request_id."""
+        row = self.require(model_id)
+        rid = new_id()
+        self.futures.expect(rid, OpKind.UNLOAD, row.tenant_id)
+        values = {
+            "request_id": rid,
+            "kind": str(OpKind.UNLOAD),
+            "tenant_id": row.tenant_id,
+            "base_model": row.base_model,
+            "session_id": row.session_id,
+            "model_id": model_id,
+        }
+        await self.journal.run(functools.partial(insert_row, cls=RequestRow, values=values))
+        row.status = "unloaded"
+        self.journal.submit(
+            functools.partial(set_model_status, model_id=model_id, status="unloaded"), _log_error
+        )
+        engine = self.engines.require(row.base_model)
+        reason = f"model {model_id!r} was unloaded before this request ran"
+
+        async def run() -> None:
+            try:
+                await engine.unload_model(model_id, reason)
+                outcome = Outcome.ok(rid, ModelResult(model_id, "unload_model"))
+            except Exception as e:  # noqa: BLE001 - the future says what went wrong
+                outcome = Outcome.failed(rid, e)
+            self.futures.finish([outcome])
+
+        asyncio.get_running_loop().create_task(run())
+        return rid
+
+    async def on_session_ended(self, models: list[tuple[str, str]], reason: str) -> None:
+        """Free the adapters of a session that ended."""
+        for model_id, base_model in models:
+            if model_id in self._rows:
+                self._rows[model_id].status = "unloaded"
+            engine = self.engines.get(base_model)
+            if engine is None:
+                continue
+            try:
+                await engine.unload_model(model_id, reason)
+            except Exception:
+                log.exception("freeing model %s", model_id)
+
+    def find_run(self, run_or_model_id: str) -> ModelRow:
+        rows = self.store.query(
+            select(ModelRow).where(
+                (ModelRow.run_id == run_or_model_id) | (ModelRow.model_id == run_or_model_id)
+            )
+        )
+        rows = [r for r in rows if owns(r.tenant_id)]
+        if not rows:
+            raise NotFoundError(f"training run {run_or_model_id!r} not found")
+        return rows[0]
+
+
+def _log_error(_: object, error: BaseException | None) -> None:
+    if error is not None:
+        log.error("a database write failed", exc_info=error)

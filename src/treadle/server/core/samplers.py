@@ -1,0 +1,138 @@
+"""Sampling sessions: what a SamplingClient samples from.
+
+A sampling session samples the base model (engine_ref None), a frozen snapshot of a
+training model (made by save_weights_and_get_sampling_client on the engine thread), or a
+saved checkpoint loaded into the engine as an adapter of its own. Rows never change once
+made, so each is read at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+from treadle.errors import InvalidRequestError, NotFoundError, SessionGoneError
+from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.engines import Engines
+from treadle.server.core.sessions import Sessions
+from treadle.server.registry.sources import LoadSource
+from treadle.server.runtime.journal import Journal
+from treadle.server.storage.database import Store
+from treadle.server.storage.queries import insert_row, sampling_session_id_of
+from treadle.server.storage.rows import SamplingSessionRow, new_id, utcnow
+from treadle.server.tenancy.auth import Tenant, owns
+
+log = logging.getLogger("treadle.samplers")
+
+
+class Samplers:
+    def __init__(
+        self,
+        store: Store,
+        journal: Journal,
+        sessions: Sessions,
+        engines: Engines,
+        checkpoints: Checkpoints,
+    ):
+        self.store = store
+        self.journal = journal
+        self.sessions = sessions
+        self.engines = engines
+        self.checkpoints = checkpoints
+        self._rows: dict[str, SamplingSessionRow] = {}
+
+    async def get(self, sampling_session_id: str) -> SamplingSessionRow:
+        """The caller's sampling session (of this run or a previous one), else 404."""
+        row = self._rows.get(sampling_session_id)
+        if row is None:  # made by a snapshot on the engine thread, or by a previous run
+            row = await asyncio.to_thread(self.store.get, SamplingSessionRow, sampling_session_id)
+            if row is None or not owns(row.tenant_id):
+                raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
+            self._rows[sampling_session_id] = row
+        if not owns(row.tenant_id):
+            raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
+        return row
+
+    async def require_live(self, sampling_session_id: str) -> SamplingSessionRow:
+        """A sampling session that can sample now: its session active, its weights in memory."""
+        row = await self.get(sampling_session_id)
+        try:
+            self.sessions.require(row.session_id)
+        except SessionGoneError as e:
+            raise NotFoundError(str(e)) from e  # not 410: the tinker sampler retries it for hours
+        engine = self.engines.get(row.base_model)
+        if engine is None or (row.engine_ref is not None and not engine.is_live(row.engine_ref)):
+            raise NotFoundError(
+                f"sampling_session_id {sampling_session_id!r}: its weights were freed from "
+                "memory (too many newer samplers of the same model); save a new sampler"
+            )
+        return row
+
+    def loaded_count(self, tenant_id: str) -> int:
+        """Samplers of the tenant loaded from saved checkpoints (they hold adapters)."""
+        return sum(
+            1
+            for s in self._rows.values()
+            if s.tenant_id == tenant_id
+            and s.engine_ref is not None
+            and s.engine_ref.startswith("sampler:")
+            and (engine := self.engines.get(s.base_model)) is not None
+            and engine.is_live(s.engine_ref)
+        )
+
+    async def create(
+        self,
+        tenant: Tenant,
+        session_id: str,
+        seq_id: int,
+        base_model: str | None,
+        model_path: str | None,
+        source: LoadSource | None,
+    ) -> str:
+        """A sampling session of the base model, or of a saved checkpoint (`source`: a model
+        package version already fetched to a folder, for a model_path whose plain folder is
+        not on this server). The same (session_id, seq_id) gives the same id back."""
+        self.sessions.require(session_id)
+        key = (session_id, seq_id)
+        existing = await self.journal.run(functools.partial(sampling_session_id_of, key=key))
+        if existing is not None:
+            return existing
+        sid = new_id()
+        if model_path:
+            ckpt = source or await self.checkpoints.get(model_path, "model_path")
+            base = ckpt.base_model
+            if base_model and base_model != base:
+                raise InvalidRequestError(
+                    f"base_model: {base_model!r} does not match the checkpoint's {base!r}"
+                )
+            engine = self.engines.require(base)
+            ref = f"sampler:{sid}"
+            await engine.load_sampler(ref, ckpt.checkpoint_type, ckpt.dir)
+        else:
+            base, ref = self.engines.require(base_model).name, None
+        values = {
+            "sampling_session_id": sid,
+            "session_id": session_id,
+            "tenant_id": tenant.tenant_id,
+            "seq_id": seq_id,
+            "base_model": base,
+            "model_path": model_path,
+            "model_id": None,
+            "engine_ref": ref,
+            "created_at": utcnow(),
+        }
+        await self.journal.run(functools.partial(insert_row, cls=SamplingSessionRow, values=values))
+        self._rows[sid] = SamplingSessionRow(**values)
+        return sid
+
+    async def on_session_ended(self, samplers: list[tuple[str, str, str | None]]) -> None:
+        """Free the sampler weights of a session that ended."""
+        for sampling_session_id, base_model, engine_ref in samplers:
+            self._rows.pop(sampling_session_id, None)
+            engine = self.engines.get(base_model)
+            if engine_ref and engine is not None:
+                try:
+                    await engine.drop_ref(engine_ref)
+                except Exception:
+                    log.exception("freeing sampler %s", sampling_session_id)

@@ -1,0 +1,223 @@
+"""Checks at the API edge, so a bad request gets a 400 naming its field at once, and the
+translation of wire bodies into the engine's typed inputs.
+
+The rules themselves are the engine's (treadle.engine.specs): one table, applied here
+before anything is queued and again by the engine before any model work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from treadle.engine.specs import (
+    MAX_TOPK_COLUMNS,
+    check_ids,
+    validate_adam,
+    validate_sample_request,
+    validate_train_batch,
+)
+from treadle.engine.types import AdamSpec, LoraSpec, SampleSpec, TrainDatum
+from treadle.engine.types import SampleRequest as EngineSampleRequest
+from treadle.errors import InvalidRequestError
+from treadle.server.runtime.engine_client import EngineFacts
+from treadle.server.runtime.ops import TrainData
+from treadle.types import LoraConfig
+from treadle.wire.codec import ForwardBackwardArrays
+from treadle.wire.requests import OptimStepRequest, SampleRequest
+
+MAX_NUM_SAMPLES = 256
+MAX_LORA_ALPHA = 1e6
+
+
+def train_data(fb: ForwardBackwardArrays, facts: EngineFacts) -> TrainData:
+    """A decoded forward/forward_backward body → the op's payload, checked."""
+    data = [TrainDatum(d.tokens, d.loss_fn_inputs) for d in fb.data]
+    for key, value in fb.loss_fn_config.items():
+        if isinstance(value, str):
+            raise InvalidRequestError(
+                f"loss_fn_config[{key!r}]: expected a finite number, got {value!r}"
+            )
+    config = validate_train_batch(
+        data, fb.loss_fn, fb.loss_fn_config, facts.vocab_size, facts.max_seq_len
+    )
+    return TrainData(data, fb.loss_fn, config)
+
+
+def adam_spec(body: OptimStepRequest) -> AdamSpec:
+    if body.adam_params is None:
+        kind = (body.optimizer_params or {}).get("type")
+        raise InvalidRequestError(f"adam_params: required (optimizer {kind!r} is not supported)")
+    spec = AdamSpec(**body.adam_params.model_dump())
+    validate_adam(spec)
+    return spec
+
+
+def lora_spec(cfg: LoraConfig, facts: EngineFacts) -> LoraSpec:
+    """A create_model's lora_config, checked against the model before anything is made."""
+    if cfg.rank < 1:
+        raise InvalidRequestError(f"lora_config.rank: expected >= 1, got {cfg.rank}")
+    if cfg.rank > facts.max_lora_rank:
+        raise InvalidRequestError(
+            f"lora_config.rank: {cfg.rank} exceeds the largest useful rank of {facts.name!r}, "
+            f"{facts.max_lora_rank} (the width of its layers)"
+        )
+    if not (cfg.train_attn or cfg.train_mlp or cfg.train_unembed):
+        raise InvalidRequestError(
+            "lora_config: at least one of train_attn/mlp/unembed must be true"
+        )
+    alpha = float(cfg.alpha) if cfg.alpha is not None else 32.0
+    if not math.isfinite(alpha) or not 0 < alpha <= MAX_LORA_ALPHA:
+        raise InvalidRequestError(
+            f"lora_config.alpha: expected a number in (0, {MAX_LORA_ALPHA:g}], got {cfg.alpha}"
+        )
+    return LoraSpec(
+        rank=cfg.rank,
+        alpha=alpha,
+        seed=cfg.seed or 0,
+        train_attn=cfg.train_attn,
+        train_mlp=cfg.train_mlp,
+        train_unembed=cfg.train_unembed,
+    )
+
+
+def sample_request(
+    req: SampleRequest, adapter: str | None, facts: EngineFacts, default_max_tokens: int | None
+) -> EngineSampleRequest:
+    """Validate an asample body and translate it into the engine's request."""
+    prompt = req.prompt.to_ints()
+    P, max_len = len(prompt), facts.max_seq_len
+    if P == 0:
+        raise InvalidRequestError("prompt: expected at least one token, got none")
+    check_ids(prompt, facts.vocab_size, "prompt")
+    if P >= max_len:
+        raise InvalidRequestError(
+            f"prompt: length {P} leaves no room to sample (max_seq_len {max_len})"
+        )
+    if not 1 <= req.num_samples <= MAX_NUM_SAMPLES:
+        raise InvalidRequestError(
+            f"num_samples: expected 1..{MAX_NUM_SAMPLES}, got {req.num_samples}"
+        )
+    target_ids = None
+    if req.target_prompt_logprobs is not None:
+        target_ids = target_prompt_ids(req.target_prompt_logprobs, P, facts.vocab_size)
+    if req.prompt_logprobs_last_n is not None:
+        if not req.prompt_logprobs:
+            raise InvalidRequestError("prompt_logprobs_last_n: needs prompt_logprobs=true")
+        if not 1 <= req.prompt_logprobs_last_n <= P - 1:
+            raise InvalidRequestError(
+                f"prompt_logprobs_last_n: expected 1..{P - 1}, got {req.prompt_logprobs_last_n}"
+            )
+    sp = req.sampling_params
+    room = max_len - P
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else default_max_tokens or room
+    if not 1 <= max_tokens <= room:
+        raise InvalidRequestError(
+            f"sampling_params.max_tokens: expected 1..{room} (max_seq_len {max_len} minus "
+            f"the {P} prompt tokens), got {max_tokens}"
+        )
+    if sp.top_k == 0:
+        raise InvalidRequestError(f"sampling_params.top_k: expected -1 or >= 1, got {sp.top_k}")
+    stop_strings, stop_tokens = _stops(sp.stop, facts.vocab_size)
+    spec = SampleSpec(
+        max_tokens=max_tokens,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        stop_strings=stop_strings,
+        stop_tokens=stop_tokens,
+        stop_at_eos=sp.stop is None or bool(sp.stop),  # stop=[] ignores EOS
+    )
+    out = EngineSampleRequest(
+        prompt=prompt,
+        num_samples=req.num_samples,
+        params=spec,
+        adapter=adapter,
+        prompt_logprobs=bool(req.prompt_logprobs),
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+        target_prompt_ids=target_ids,
+        topk_sample_logprobs=req.topk_sample_logprobs,
+        prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+    )
+    validate_sample_request(out, facts.vocab_size, max_len)
+    return out
+
+
+def target_prompt_ids(td: dict[str, Any], prompt_len: int, vocab_size: int) -> np.ndarray:
+    """The SDK's target_prompt_logprobs TensorData JSON → (P-1, K) int64 ids, -1 = none.
+
+    Dense: `data` holds all P-1 rows of K. Sparse CSR (TensorData.from_torch_sparse with
+    pad -1): `sparse_crow_indices` / `sparse_col_indices` list the requested cells and `data`
+    their ids; every other cell asks for nothing.
+    """
+    field = "target_prompt_logprobs"
+    if td.get("dtype") != "int64":
+        raise InvalidRequestError(
+            f"{field}.dtype: expected int64 token ids, got {td.get('dtype')!r}"
+        )
+    shape = td.get("shape")
+    if not isinstance(shape, list) or len(shape) != 2 or shape[0] != prompt_len - 1:
+        raise InvalidRequestError(
+            f"{field}.shape: expected [{prompt_len - 1}, K] (prompt length - 1 rows), got {shape}"
+        )
+    rows, K = int(shape[0]), int(shape[1])
+    if not 1 <= K <= MAX_TOPK_COLUMNS:  # checked before the dense (P-1, K) ids exist
+        raise InvalidRequestError(
+            f"{field}.shape: expected 1 <= K <= {MAX_TOPK_COLUMNS} columns, got {shape}"
+        )
+    try:
+        values = np.asarray(td.get("data") or [], dtype=np.int64)
+        crow, col = td.get("sparse_crow_indices"), td.get("sparse_col_indices")
+        if crow is None:
+            if values.size != rows * K:
+                raise InvalidRequestError(
+                    f"{field}.data: shape {shape} needs {rows * K} ids, got {values.size}"
+                )
+            ids = values.reshape(rows, K)
+        else:
+            crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+            ok = (
+                crow_a.shape == (rows + 1,)
+                and crow_a[0] == 0
+                and (np.diff(crow_a) >= 0).all()
+                and crow_a[-1] == col_a.size == values.size
+                and ((col_a >= 0) & (col_a < K)).all()
+            )
+            if not ok:
+                raise InvalidRequestError(
+                    f"{field}: inconsistent sparse CSR (crow {crow_a.size} entries for {rows} "
+                    f"rows, {col_a.size} columns, {values.size} values, K={K})"
+                )
+            ids = np.full((rows, K), -1, dtype=np.int64)  # (P-1, K)
+            ids[np.repeat(np.arange(rows), np.diff(crow_a)), col_a] = values
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"{field}: expected integer token ids ({e})") from e
+    bad = np.flatnonzero(((ids < -1) | (ids >= vocab_size)).reshape(-1))
+    if bad.size:
+        r, c = divmod(int(bad[0]), K)
+        raise InvalidRequestError(
+            f"{field}[{r}][{c}]: token id {int(ids[r, c])} is outside the vocabulary "
+            f"[0, {vocab_size}) (-1 asks for nothing)"
+        )
+    return ids
+
+
+def _stops(stop: str | list | None, vocab_size: int) -> tuple[list[str], list[int]]:
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [stop], []
+    if all(isinstance(s, str) for s in stop):
+        return list(stop), []
+    if all(isinstance(s, int) for s in stop):
+        check_ids(list(stop), vocab_size, "sampling_params.stop")
+        return [], list(stop)
+    raise InvalidRequestError(
+        f"sampling_params.stop: expected a string, a list of strings or a list of token ids, "
+        f"got {stop!r}"
+    )

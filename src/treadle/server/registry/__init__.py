@@ -1,0 +1,1 @@
+"""Model package groups: names, bindings, versions and reading them back."""

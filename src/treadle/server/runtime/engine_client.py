@@ -1,0 +1,83 @@
+"""The engine handle the rest of the server sees: one per served base model.
+
+The API side never touches an Engine, its thread or its memory: it submits typed ops
+(treadle.server.runtime.ops), hears their outcomes through the callback it gave, asks facts,
+and makes a few control calls. Today the one implementation runs the engine on a thread of
+this process (treadle.server.runtime.engine_loop.EngineLoop); an engine in a process of its
+own implements the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from treadle.server.runtime.ops import Op, Outcome
+
+OnOutcomes = Callable[[list[Outcome]], None]  # called from the engine's side; must not block
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the API needs to know about a served model to check requests at its edge."""
+
+    name: str
+    vocab_size: int  # token ids are [0, vocab_size)
+    max_seq_len: int  # the model's context
+    max_lora_rank: int  # the largest rank any targeted layer can use
+    arch: str | None = None  # the HF model_type, for get_info
+
+
+class EngineClient(ABC):
+    """Submit ops, hear outcomes, ask facts. Every method is safe from the event loop."""
+
+    facts: EngineFacts
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+    # ---- training models and their seq_id order ----
+    @abstractmethod
+    def add_model(self, model_id: str) -> None:
+        """Open the seq_id queue of a new training model (its create op is seq 0)."""
+
+    @abstractmethod
+    def has_model(self, model_id: str) -> bool: ...
+
+    @abstractmethod
+    def check_seq(self, model_id: str, seq_id: int) -> None:
+        """InvalidRequestError if seq_id ran already or is queued; NotFoundError if the model
+        is not loaded; EngineDeadError if the engine is gone."""
+
+    @abstractmethod
+    def submit(self, op: Op) -> None:
+        """Queue an op; its Outcome reaches the on_outcomes callback (never raises)."""
+
+    # ---- samplers (engine ids of frozen weights) ----
+    @abstractmethod
+    def is_live(self, ref: str) -> bool:
+        """Whether a sampler's engine id (a snapshot or a loaded checkpoint) is in memory."""
+
+    @abstractmethod
+    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
+        """Load a saved checkpoint as sampler weights under `ref`."""
+
+    @abstractmethod
+    async def drop_ref(self, ref: str) -> None: ...
+
+    @abstractmethod
+    async def check_adapter(self, directory: str) -> None:
+        """InvalidRequestError unless the folder is a PEFT adapter this model can load (a
+        dry run: loaded, then freed)."""
+
+    @abstractmethod
+    async def unload_model(self, model_id: str, reason: str) -> None:
+        """Fail the model's queued ops with `reason`, then free its adapter and snapshots."""

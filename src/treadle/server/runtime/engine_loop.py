@@ -1,0 +1,260 @@
+"""The engine loop: one thread per served base model, feeding its Engine in rounds.
+
+Each round, `plan_round` (the scheduling rule, treadle.server.runtime.scheduler) picks what
+may run now; the loop executes those steps through an OpExecutor and hands the outcomes on
+(the journal commits them, then their polls get them from memory). Ops reach the loop in
+memory, right after their row is committed; only the engine thread ever touches the Engine.
+The thread sleeps on a condition until a submit, a control call or a deferred write wakes
+it: no timer.
+
+If the loop itself dies (an error outside any one op), every queued op fails with
+EngineDeadError and so does every later submit: a future never waits on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from treadle.server.runtime.engine_client import EngineClient, EngineFacts, OnOutcomes
+from treadle.server.runtime.executor import Deferred, OpExecutor
+from treadle.server.runtime.ops import Op, OpKind, Outcome
+from treadle.server.runtime.scheduler import (
+    DEFAULT_MAX_MERGE_TOKENS,
+    ModelQueue,
+    Step,
+    plan_round,
+)
+
+log = logging.getLogger("treadle.engine_loop")
+
+# A deferred durable write waits at most this long for an idle moment before it runs anyway.
+DEFERRED_MAX_WAIT_S = 1.0
+
+
+class EngineLoop(EngineClient):
+    """The in-process engine handle: owns one Engine (through its OpExecutor) and its thread."""
+
+    def __init__(
+        self,
+        facts: EngineFacts,
+        executor: OpExecutor,
+        on_outcomes: OnOutcomes,
+        max_sample_batch: int = 64,
+        max_merge_tokens: int = DEFAULT_MAX_MERGE_TOKENS,
+    ):
+        self.facts = facts
+        self.executor = executor
+        self._on_outcomes = on_outcomes
+        self.max_sample_batch = max_sample_batch
+        self.max_merge_tokens = max_merge_tokens
+        self.queues: dict[str, ModelQueue] = {}
+        self.samples: list[Op] = []
+        self.deferred: deque[Deferred] = deque()
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._dead: EngineDeadError | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+
+    # ---- EngineClient (any thread) ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._cond:
+            return model_id in self.queues
+
+    def check_seq(self, model_id: str, seq_id: int) -> None:
+        with self._cond:
+            if self._dead is not None:
+                raise self._dead
+            queue = self.queues.get(model_id)
+            if queue is None:
+                raise NotFoundError(f"model_id {model_id!r} is not loaded on this server")
+            if seq_id < queue.next_seq or seq_id in queue.pending:
+                raise InvalidRequestError(
+                    f"seq_id: {seq_id} was already used for model {model_id!r} "
+                    f"(next expected: {queue.next_seq})"
+                )
+
+    def add_model(self, model_id: str) -> None:
+        with self._cond:
+            self.queues.setdefault(model_id, ModelQueue())
+
+    def submit(self, op: Op) -> None:
+        refused: Outcome | None = None
+        with self._cond:
+            if self._dead is not None:
+                refused = Outcome.failed(op.request_id, self._dead)
+            elif op.kind == OpKind.SAMPLE:
+                self.samples.append(op)
+            elif (queue := self.queues.get(op.model_id)) is not None:
+                queue.pending[op.seq_id] = op
+            else:  # its session ended since the API checked
+                refused = Outcome.failed(
+                    op.request_id, NotFoundError(f"model {op.model_id!r} was unloaded")
+                )
+            self._cond.notify()
+        if refused is not None:
+            self._finish([refused])
+
+    def is_live(self, ref: str) -> bool:
+        return self.executor.is_live(ref)
+
+    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
+        await self._call(lambda: self.executor.load_sampler(ref, checkpoint_type, directory))
+
+    async def drop_ref(self, ref: str) -> None:
+        await self._call(lambda: self.executor.drop_ref(ref))
+
+    async def check_adapter(self, directory: str) -> None:
+        await self._call(lambda: self.executor.check_adapter(directory))
+
+    async def unload_model(self, model_id: str, reason: str) -> None:
+        await self._call(lambda: self._unload(model_id, reason))
+
+    # ---- control calls: run on the engine thread before the next round ----
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._dead is not None:
+                fut.set_exception(self._dead)
+                return fut
+            self._calls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _unload(self, model_id: str, reason: str) -> None:
+        """Engine thread: fail the model's queued ops, finish its durable writes, free it."""
+        with self._cond:
+            queue = self.queues.pop(model_id, None)
+        # Durable writes of this model were acknowledged as accepted: finish them first.
+        for job in [j for j in self.deferred if j.op.model_id == model_id]:
+            self.deferred.remove(job)
+            self._finish([self._run_deferred(job)])
+        dropped = list(queue.pending.values()) if queue else []
+        self._finish([Outcome.failed(op.request_id, NotFoundError(reason)) for op in dropped])
+        self.executor.drop_model(model_id)
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        try:
+            self._rounds()
+        except BaseException as e:  # noqa: BLE001 - the loop is gone: say so to everyone
+            log.exception("engine loop of %s died", self.name)
+            self._die(e)
+
+    def _rounds(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._has_work_locked():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                calls = list(self._calls)
+                self._calls.clear()
+            # Control calls (drop a session's adapters, load a sampler) go before planning,
+            # so that a round never runs an op of a model a call just removed.
+            for fn, fut in calls:
+                _run_call(fn, fut)
+            with self._cond:
+                steps = plan_round(
+                    self.queues, self.samples, self.max_sample_batch, self.max_merge_tokens
+                )
+                for step in steps:
+                    if step.kind == "sample":
+                        taken = {id(op) for op in step.ops}
+                        self.samples = [op for op in self.samples if id(op) not in taken]
+            for step in steps:
+                self._execute(step)
+            self._maybe_run_deferred(idle=not steps)
+
+    def _die(self, error: BaseException) -> None:
+        dead = EngineDeadError(
+            f"the engine of model {self.name!r} stopped: {type(error).__name__}: {error}"
+        )
+        with self._cond:
+            self._dead = dead
+            ops = [*self.samples, *(op for q in self.queues.values() for op in q.pending.values())]
+            ops += [job.op for job in self.deferred]
+            calls = list(self._calls)
+            self.samples, self.queues, self._calls = [], {}, deque()
+            self.deferred.clear()
+        for _, fut in calls:
+            fut.set_exception(dead)
+        self._finish([Outcome.failed(op.request_id, dead) for op in ops])
+
+    def _has_work_locked(self) -> bool:
+        if self._calls or self.samples or self.deferred:
+            return True
+        return any(q.next_seq in q.pending for q in self.queues.values())
+
+    def _execute(self, step: Step) -> None:
+        try:
+            if step.kind == "train":
+                outcomes = self.executor.run_train(step.ops, step.forward_only)
+            elif step.kind == "sample":
+                outcomes = self.executor.run_samples(step.ops)
+            else:
+                outcomes = [self.executor.run_single(step.ops[0])]
+        except Exception as e:  # the executor catches per op; this is a last resort
+            log.exception("step %s failed", step.kind)
+            outcomes = [Outcome.failed(op.request_id, e) for op in step.ops]
+        ready = []
+        for outcome in outcomes:
+            if isinstance(outcome, Deferred):
+                self.deferred.append(outcome)
+            else:
+                ready.append(outcome)
+        with self._cond:
+            for op in step.ops:
+                if op.kind != OpKind.SAMPLE and op.model_id in self.queues:
+                    queue = self.queues[op.model_id]
+                    queue.pending.pop(op.seq_id, None)
+                    queue.next_seq = op.seq_id + 1
+        self._finish(ready)
+
+    def _maybe_run_deferred(self, idle: bool) -> None:
+        now = time.monotonic()
+        while self.deferred and (idle or now - self.deferred[0].created_at > DEFERRED_MAX_WAIT_S):
+            self._finish([self._run_deferred(self.deferred.popleft())])
+            if not idle:
+                break
+
+    def _run_deferred(self, job: Deferred) -> Outcome:
+        try:
+            return job.run()
+        except Exception as e:
+            log.exception("deferred write for %s failed", job.op.request_id)
+            return Outcome.failed(job.op.request_id, e)
+
+    def _finish(self, outcomes: list[Outcome]) -> None:
+        if outcomes:
+            try:
+                self._on_outcomes(outcomes)
+            except Exception:
+                log.exception("could not record %d outcomes", len(outcomes))
+
+
+def _run_call(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        fut.set_exception(e)

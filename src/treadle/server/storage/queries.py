@@ -1,0 +1,157 @@
+"""The statements of the hot path, in SQLAlchemy Core: no ORM session, no identity map, one
+statement each. They are functions of a Connection, run by the journal thread
+(treadle.server.runtime.journal) or in a short transaction of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, insert, select, update
+
+from treadle.server.storage.rows import (
+    Base,
+    ModelRow,
+    RequestRow,
+    SamplingSessionRow,
+    SessionRow,
+    utcnow,
+)
+
+REQUESTS = RequestRow.__table__
+# The columns an outcome sets; every outcome fills all of them so that one executemany
+# statement writes a whole round of results.
+OUTCOME_COLUMNS = (
+    "status",
+    "result",
+    "content_type",
+    "error",
+    "prompt_tokens",
+    "sampled_tokens",
+    "train_tokens",
+)
+_FINISH = (
+    update(REQUESTS)
+    .where(REQUESTS.c.request_id == bindparam("rid"))
+    .values({c: bindparam(c) for c in (*OUTCOME_COLUMNS, "finished_at")})
+)
+
+
+def insert_row(conn: Connection, cls: type[Base], values: dict[str, Any]) -> None:
+    """One INSERT of a row given as column values (column defaults apply)."""
+    conn.execute(insert(cls.__table__), values)
+
+
+@dataclass
+class Finished:
+    """The columns a finished request's row gets: its result body or its error, and usage."""
+
+    request_id: str
+    status: str  # done | failed
+    result: bytes | None = None
+    content_type: str | None = None
+    error: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    sampled_tokens: int = 0
+    train_tokens: int = 0
+
+
+def finish_requests(conn: Connection, finished: list[Finished]) -> None:
+    """Write the outcomes of finished requests (one executemany statement)."""
+    now = utcnow()
+    rows = []
+    for f in finished:
+        values = {c: getattr(f, c) for c in OUTCOME_COLUMNS}
+        rows.append({"rid": f.request_id, **values, "finished_at": now})
+    conn.execute(_FINISH, rows)
+
+
+def request_id_of(conn: Connection, dedup_key: str) -> str | None:
+    """The request already filed under a dedup key, if any."""
+    stmt = select(REQUESTS.c.request_id).where(REQUESTS.c.dedup_key == dedup_key)
+    return conn.execute(stmt).scalar_one_or_none()
+
+
+def request_row(conn: Connection, request_id: str) -> dict[str, Any] | None:
+    """A request's columns as a dict (for futures this process no longer holds in memory)."""
+    row = conn.execute(select(REQUESTS).where(REQUESTS.c.request_id == request_id)).first()
+    return dict(row._mapping) if row is not None else None
+
+
+def insert_request(conn: Connection, values: dict[str, Any]) -> str:
+    """File a future; → its request_id."""
+    insert_row(conn, RequestRow, values)
+    return values["request_id"]
+
+
+def sampling_session_id_of(conn: Connection, key: tuple[str, int]) -> str | None:
+    """The sampling session already made for (session_id, sampling_session_seq_id)."""
+    table = SamplingSessionRow.__table__
+    stmt = select(table.c.sampling_session_id).where(
+        (table.c.session_id == key[0]) & (table.c.seq_id == key[1])
+    )
+    return conn.execute(stmt).scalar_one_or_none()
+
+
+def mark_session_ended(conn: Connection, session_id: str, status: str) -> tuple[list, list]:
+    """Mark a session and its models ended; → its (model_id, base_model) and its
+    (sampling_session_id, base_model, engine_ref)."""
+    sessions, models = SessionRow.__table__, ModelRow.__table__
+    samplers = SamplingSessionRow.__table__
+    conn.execute(
+        update(sessions)
+        .where(sessions.c.session_id == session_id)
+        .values(status=status, ended_at=utcnow())
+    )
+    mine = models.c.session_id == session_id
+    model_rows = conn.execute(select(models.c.model_id, models.c.base_model).where(mine)).all()
+    conn.execute(update(models).where(mine).values(status="unloaded"))
+    sampler_rows = conn.execute(
+        select(samplers.c.sampling_session_id, samplers.c.base_model, samplers.c.engine_ref).where(
+            samplers.c.session_id == session_id
+        )
+    ).all()
+    return [tuple(r) for r in model_rows], [tuple(r) for r in sampler_rows]
+
+
+def set_model_status(conn: Connection, model_id: str, status: str) -> None:
+    """active | unloaded."""
+    models = ModelRow.__table__
+    conn.execute(update(models).where(models.c.model_id == model_id).values(status=status))
+
+
+
+
+# ---- listings of the RestClient ----
+def session_ids(conn: Connection, tenant_id: str, limit: int, offset: int) -> list[str]:
+    """The tenant's sessions, newest first."""
+    t = SessionRow.__table__
+    stmt = (
+        select(t.c.session_id)
+        .where(t.c.tenant_id == tenant_id)
+        .order_by(t.c.created_at.desc())
+        .offset(offset)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).scalars())
+
+
+def session_detail(
+    conn: Connection, tenant_id: str, session_id: str
+) -> tuple[dict[str, Any], list[str], list[str]] | None:
+    """A session of the tenant: (its columns, its model ids, its sampling session ids)."""
+    t = SessionRow.__table__
+    found = conn.execute(
+        select(t).where((t.c.session_id == session_id) & (t.c.tenant_id == tenant_id))
+    ).first()
+    if found is None:
+        return None
+    models, samplers = ModelRow.__table__, SamplingSessionRow.__table__
+    model_ids = conn.execute(
+        select(models.c.model_id).where(models.c.session_id == session_id)
+    ).scalars()
+    sampler_ids = conn.execute(
+        select(samplers.c.sampling_session_id).where(samplers.c.session_id == session_id)
+    ).scalars()
+    return dict(found._mapping), list(model_ids), list(sampler_ids)

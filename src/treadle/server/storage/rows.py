@@ -1,0 +1,201 @@
+"""The database schema: every ORM row of the server, in one place.
+
+Every row that belongs to a tenant carries tenant_id (TENANT_TABLES); the API filters every
+ORM read made while serving a request to the request's tenant (treadle.server.tenancy.auth).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    Integer,
+    LargeBinary,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+DEFAULT_TENANT_ID = "default"  # the development tenant (treadle.server.tenancy.auth.DEV_TENANT)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active|finished|expired
+    tags: Mapped[list] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    sdk_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ModelRow(Base):
+    """A training model (one LoRA adapter) and its training run."""
+
+    __tablename__ = "models"
+    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(64), unique=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active|unloaded
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RequestRow(Base):
+    """One future: what was asked, and its result (JSON or protobuf bytes) or error."""
+
+    __tablename__ = "requests"
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    # the served model that ran it: the price table is per base model
+    base_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    sampling_session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # "<model_id>#<seq_id>" or "<sampling_session_id>#<seq_id>": a resubmission finds its row.
+    dedup_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|done|failed
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # Metered usage (treadle.server.tenancy.metering): prefill, sample and train tokens.
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    train_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class SamplingSessionRow(Base):
+    __tablename__ = "sampling_sessions"
+    __table_args__ = (UniqueConstraint("session_id", "seq_id"),)
+    sampling_session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    seq_id: Mapped[int] = mapped_column(Integer)
+    base_model: Mapped[str] = mapped_column(String(256))
+    model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # the engine id sampled from: a snapshot id, a loaded adapter id, or None for the base
+    engine_ref: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    tinker_path: Mapped[str] = mapped_column(String(512), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    model_id: Mapped[str] = mapped_column(String(128))
+    checkpoint_type: Mapped[str] = mapped_column(String(16))  # training|sampler
+    name: Mapped[str] = mapped_column(String(256))
+    dir: Mapped[str] = mapped_column(String(1024))
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    size_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantRow(Base):
+    """A customer or team. Its quotas override the config file's, field by field."""
+
+    __tablename__ = "tenants"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    quotas: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKeyRow(Base):
+    """An API key, stored as the sha256 of the key: the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)  # the key's public prefix
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class PackageGroupRow(Base):
+    __tablename__ = "package_groups"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    keep_last: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Sampler versions kept (per kind: sampler adapters, merged models); None keeps all."""
+    state_ttl_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Training-state versions older than this are deleted; None keeps them."""
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class VersionRow(Base):
+    __tablename__ = "package_versions"
+    __table_args__ = (UniqueConstraint("tenant_id", "group_name", "version"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    group_name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # sampler | merged | state
+    name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora_config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    location: Mapped[str] = mapped_column(String(1024))
+    """Where the files are: a server folder or s3://bucket/prefix/<tenant>/<group>/<id>."""
+    tinker_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    encrypted: Mapped[bool] = mapped_column(Boolean, default=False)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    source: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    """Where an imported version came from (a folder name, a version reference)."""
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ModelPackageRow(Base):
+    """A training model's group binding: where its saves are published."""
+
+    __tablename__ = "model_packages"
+    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    group_name: Mapped[str] = mapped_column(String(64))
+    output_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+
+
+# Tables whose rows belong to a tenant (a tenant_id column); databases written before
+# tenants existed get the column on open, their rows going to the development tenant.
+TENANT_TABLES = ("sessions", "models", "requests", "sampling_sessions", "checkpoints")
+
+

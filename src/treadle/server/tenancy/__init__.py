@@ -1,0 +1,2 @@
+"""Who a request acts for, what it may ask, and what it costs: auth, tenants, quotas,
+metering."""

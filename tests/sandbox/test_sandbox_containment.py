@@ -330,26 +330,30 @@ def test_a_concurrent_run_cannot_see_the_others_scratch(bare):
 
 @CGROUP_MEMORY
 def test_five_processes_of_900_mb_cannot_hold_memory_at_once():
-    limits = SandboxLimits(timeout_s=15.0, cpu_s=10, memory_mb=1024, max_procs=8)
+    limits = SandboxLimits(timeout_s=20.0, cpu_s=10, memory_mb=1024, max_procs=8)
     code = (
         "import os, time\n"
+        "r, w = os.pipe()\n"
         "kids = []\n"
         "for i in range(5):\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        block = b'x' * (900 << 20)\n"  # touched: every page is really used
-        "        time.sleep(4)\n"
+        "        os.write(w, b'%d\\n' % os.getpid())\n"  # holding it now
+        "        time.sleep(8)\n"
         "        os._exit(0)\n"
         "    kids.append(pid)\n"
-        "time.sleep(3)\n"
-        "alive = [p for p in kids if os.waitpid(p, os.WNOHANG) == (0, 0)]\n"
-        "print('ALIVE', len(alive), flush=True)\n"
+        "time.sleep(5)\n"
+        "os.set_blocking(r, False)\n"
+        "held = {int(p) for p in os.read(r, 4096).split()}\n"
+        "holding = [p for p in kids if p in held and os.waitpid(p, os.WNOHANG) == (0, 0)]\n"
+        "print('HELD', len(held), 'HOLDING', len(holding), flush=True)\n"
     )
     with LocalSandbox(limits, workers=1, audit=False) as sandbox:
         r = sandbox.run(code)
     assert r.status == "memory", (r.status, r.stdout, r.stderr)
-    alive = int(r.stdout.split()[1]) if r.stdout.startswith("ALIVE") else 0
-    assert alive * 900 <= 1024  # never more than one holding its 900 MB
+    held, holding = (int(n) for n in r.stdout.split()[1::2])
+    assert held >= 1 and holding <= 1  # never two holding 900 MB at once, let alone five
 
 
 def test_a_big_write_fills_only_the_capped_scratch(bare):
@@ -454,10 +458,15 @@ def test_stdin_and_payload_cannot_be_written_back(bare):
         "for fd in range(0, 20):\n"
         "    try:\n        os.write(fd, b'overwrite')\n        print('WROTE', fd)\n"
         "    except OSError:\n        pass\n"
+        "try:\n"  # reopened read-write through /proc
+        "    os.write(os.open('/proc/self/fd/0', os.O_RDWR), b'x' * 100000)\n    print('WROTE 0')\n"
+        "except OSError as e:\n    print('DENIED', type(e).__name__)\n"
+        "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
     )
     r = bare.run(code, stdin="input")
     wrote = {int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("WROTE")}
     assert wrote <= {1, 2}, r.stdout  # only its own stdout and stderr
+    assert r.stdout.splitlines()[-1] == "[0, 1, 2, 3]"  # 3: the listing itself; no payload
 
 
 def test_many_runs_leave_no_cgroup_behind(bare):

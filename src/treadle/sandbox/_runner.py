@@ -14,13 +14,12 @@ _posixsubprocess get past it): the box, the cgroup and the rlimits are the bound
 A MemoryError that reaches the top ends the run with EXIT_MEMORY.
 """
 
-import base64
+import binascii
 import json
 import os
 import resource
 import runpy
 import sys
-import sysconfig
 import traceback
 
 EXIT_BLOCKED = 120
@@ -120,9 +119,9 @@ def _install_audit_hook(write_roots: tuple[str, ...], read_roots: tuple[str, ...
 
 
 def _read_roots() -> tuple[str, ...]:
-    """What the hook lets a run read besides its writable folders: the standard library."""
-    roots = {sys.prefix, sys.exec_prefix, sysconfig.get_path("stdlib")}
-    roots |= {sysconfig.get_path("platstdlib"), "/usr/share/zoneinfo", "/etc/localtime"}
+    """What the hook lets a run read besides its writable folders: the standard library (run
+    with -I -S, sys.path holds nothing else yet)."""
+    roots = {sys.prefix, sys.exec_prefix, *sys.path, "/usr/share/zoneinfo", "/etc/localtime"}
     roots |= {"/dev/urandom", "/dev/zero"}
     return tuple(sorted(os.path.realpath(r) for r in roots if r))
 
@@ -147,7 +146,7 @@ def _write_files(scratch: str, payload_fd: int) -> None:
         path = os.path.join(scratch, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(base64.b64decode(data))
+            f.write(binascii.a2b_base64(data))
 
 
 def _set_limits(cfg: dict) -> None:
@@ -176,10 +175,11 @@ def _setup(cfg: dict) -> str:
     os.chdir(scratch)
     os.environ.clear()
     os.environ.update(cfg.get("env", {}))
+    readable = _read_roots()
     sys.path[:0] = [scratch]
     if cfg.get("audit", True):
         writable = (os.path.realpath(scratch), "/dev/null", *cfg.get("private_tmp", []))
-        _install_audit_hook(writable, _read_roots())
+        _install_audit_hook(writable, readable)
     return os.path.join(scratch, cfg.get("main", "main.py"))
 
 

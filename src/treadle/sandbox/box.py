@@ -163,8 +163,8 @@ def hidden_paths(binds: list[str]) -> list[str]:
     candidates: set[str] = set()
     for root in binds:
         for pattern in ("lib*/python3*/*-packages", "lib/python3/dist-packages"):
-            candidates.update(glob.glob(os.path.join(root, pattern)))
-            candidates.update(glob.glob(os.path.join(root, "local", pattern)))
+            for where in ("", "local", "envs/*"):  # /usr/local; conda's other environments
+                candidates.update(glob.glob(os.path.join(root, where, pattern)))
     candidates.update(p for p in sys.path if p)
     candidates.update(site.getsitepackages())
     candidates.add(site.getusersitepackages())

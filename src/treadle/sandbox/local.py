@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import fcntl
 import json
 import logging
 import os
@@ -322,17 +323,23 @@ def _bytes(content: str | bytes) -> bytes:
 
 
 def _read_only_fd(data: bytes) -> int:
-    """A read-only descriptor (close-on-exec, offset 0) of `data`, in memory where possible:
-    the run can read what it is given, never write into it."""
+    """A read-only descriptor (close-on-exec, offset 0) of `data`: a memfd sealed against
+    writes where the system allows (reopening it read-write through /proc gets nowhere), else
+    an unlinked 0400 temporary file."""
     try:
-        fd = os.memfd_create("treadle-sandbox", os.MFD_CLOEXEC)
+        fd = os.memfd_create("treadle-sandbox", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        sealed = True
     except (AttributeError, OSError):
         with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
+            fd, sealed = os.dup(f.fileno()), False
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+        if sealed:
+            seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
+        os.fchmod(fd, 0o400)
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(fd)

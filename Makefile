@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv demo test compat lint proto bench clean
+.PHONY: venv sysdeps demo test compat lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +15,21 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# System packages: bubblewrap, the local code sandbox's isolation (installed as root with
+# apt-get when missing; otherwise this says what to install).
+sysdeps:
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
+	else \
+		echo "The local code sandbox needs bubblewrap: apt-get install bubblewrap (Debian/Ubuntu)," \
+			"dnf install bubblewrap (Fedora/RHEL), apk add bubblewrap (Alpine), pacman -S bubblewrap (Arch)"; \
+	fi
+
 demo: venv
 	$(VENV)/bin/treadle demo
 
-test: venv
+test: venv sysdeps
 	$(PY) -m pytest -q
 
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.

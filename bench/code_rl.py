@@ -104,11 +104,18 @@ def main() -> None:
     parser.add_argument("--max_tokens", type=int, default=48)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    parser.add_argument(
+        "--unsafe_local_sandbox",
+        action="store_true",
+        help="grade without bubblewrap, as plain processes that are NOT isolated",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", arch="llama", size=args.size)
         server = ServerProcess({NAME: model}, Path(tmp) / "data").start()
-        sandbox = LocalSandbox(SandboxLimits(timeout_s=5.0), workers=2 * args.workers)
+        sandbox = LocalSandbox(
+            SandboxLimits(timeout_s=5.0), workers=2 * args.workers, unsafe=args.unsafe_local_sandbox
+        )
         best: dict[str, dict] = {}
         try:
             for r in range(args.rounds):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from treadle import ServiceClient
 from treadle.cookbook.code_env import CodeDataset, CodeEnv
 from treadle.cookbook.recipes import code_rl
@@ -38,6 +40,7 @@ def _config(server, run_dir, **kw) -> code_rl.Config:
         eval_samples=1,
         rollout_workers=2,
         sandbox_workers=2,
+        unsafe_local_sandbox=True,  # the box where bubblewrap works; tests/sandbox tests it
         remove_constant_reward_groups=False,  # random text scores -0.1 everywhere: train anyway
         stream_groups=1,
     )
@@ -143,3 +146,21 @@ def test_flags():
     remote = code_rl.make_sandbox(cfg)
     assert remote.url == "http://h:8080/run_code"
     remote.close()
+
+
+def test_local_sandbox_needs_bubblewrap_unless_told_otherwise(monkeypatch):
+    from treadle.cookbook.config_cli import parse_config
+    from treadle.sandbox import SandboxUnavailableError, box, local
+
+    monkeypatch.setattr(local, "_probed", None)
+    monkeypatch.setattr(box, "find_bwrap", lambda: None)  # as if it were not installed
+    cfg = parse_config(code_rl.Config, ["--model", "m"])
+    assert cfg.unsafe_local_sandbox is False
+    with pytest.raises(SandboxUnavailableError, match="apt-get install bubblewrap"):
+        code_rl.make_sandbox(cfg)
+    cfg = parse_config(code_rl.Config, ["--model", "m", "--unsafe_local_sandbox", "true"])
+    sandbox = code_rl.make_sandbox(cfg)
+    try:
+        assert sandbox.isolation.box is None and sandbox.run("print(2 + 2)").stdout == "4\n"
+    finally:
+        sandbox.close()

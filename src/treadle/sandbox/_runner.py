@@ -1,24 +1,30 @@
-"""The sandbox's child side: set the limits on itself, then run untrusted code.
+"""The sandbox's inside: take the files, drop to the run's uid, set the limits, run main.py.
 
-Run as `python -I _runner.py CONFIG_JSON` (stdlib only: the project is not importable in
-there). It forks once: the parent (pid 1 when it runs in a new pid namespace) only waits and
-reports the child's exit status; the child applies the rlimits (as root, setpriv has already
-dropped it to the sandbox uid), enters the scratch folder, installs the audit hook, runs main.py.
+Run as `python -I -S -c <this source> CONFIG_JSON` (stdlib only: nothing of the project is
+visible in there). The files come through an inherited read-only descriptor (`payload_fd`, a
+JSON {"files": [[name, base64], ...]}), closed before the untrusted code starts. As root (inside
+a box bubblewrap started as root, with CAP_SETUID and CAP_SETGID only) it first switches to
+the run's own unprivileged uid/gid, which empties every capability set.
 
-A blocked operation ends the run at once with EXIT_BLOCKED (it cannot be caught by the
-untrusted code); a MemoryError that reaches the top ends it with EXIT_MEMORY.
+Then it applies the rlimits, enters the scratch folder and, unless told not to, installs the
+audit hook: a convenience that ends a run with EXIT_BLOCKED (verdict `blocked`) as soon as it
+tries what it has no business doing (a new process, a socket, a signal, a file outside its
+scratch and the standard library). It guards the standard library only (gc, ctypes or
+_posixsubprocess get past it): the box, the cgroup and the rlimits are the boundary.
+A MemoryError that reaches the top ends the run with EXIT_MEMORY.
 """
 
+import binascii
 import json
 import os
 import resource
 import runpy
-import signal
 import sys
 import traceback
 
 EXIT_BLOCKED = 120
 EXIT_MEMORY = 121
+EXIT_SETUP = 122  # the runner itself could not set the run up
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PROCESS_EVENTS = {
@@ -35,7 +41,7 @@ _PROCESS_EVENTS = {
 _SIGNAL_EVENTS = {"os.kill", "os.killpg", "signal.pthread_kill"}
 _NET_EVENTS = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"}
 _NET_EVENTS |= {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr"}
-# events whose path arguments must all lie inside the scratch folder
+# events whose path arguments must all lie inside the writable folders
 _WRITE_PATH_EVENTS = {
     "os.remove": 1,
     "os.rmdir": 1,
@@ -65,8 +71,7 @@ def _blocked(event: str, detail: object) -> None:
         os._exit(EXIT_BLOCKED)
 
 
-def _install_audit_hook(scratch: str, read_roots: list[str]) -> None:
-    write_roots = (scratch, "/dev/null")
+def _install_audit_hook(write_roots: tuple[str, ...], read_roots: tuple[str, ...]) -> None:
     readable = (*write_roots, *read_roots)
     busy = [False]  # realpath itself may raise events: do not recurse
 
@@ -113,6 +118,37 @@ def _install_audit_hook(scratch: str, read_roots: list[str]) -> None:
     sys.addaudithook(hook)
 
 
+def _read_roots() -> tuple[str, ...]:
+    """What the hook lets a run read besides its writable folders: the standard library (run
+    with -I -S, sys.path holds nothing else yet)."""
+    roots = {sys.prefix, sys.exec_prefix, *sys.path, "/usr/share/zoneinfo", "/etc/localtime"}
+    roots |= {"/dev/urandom", "/dev/zero"}
+    return tuple(sorted(os.path.realpath(r) for r in roots if r))
+
+
+def _drop_to(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise OSError(f"still uid {os.getuid()} after switching to {uid}")
+
+
+def _write_files(scratch: str, payload_fd: int) -> None:
+    chunks = []
+    while chunk := os.read(payload_fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(payload_fd)
+    for name, data in json.loads(b"".join(chunks))["files"]:
+        rel = os.path.normpath(name)
+        if rel.startswith(("/", "..")) or rel == ".":
+            raise ValueError(f"files: expected a relative path inside the scratch, got {name!r}")
+        path = os.path.join(scratch, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(binascii.a2b_base64(data))
+
+
 def _set_limits(cfg: dict) -> None:
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -130,19 +166,34 @@ def _set_limits(cfg: dict) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
-def _child(cfg: dict) -> None:
+def _setup(cfg: dict) -> str:
+    if cfg.get("uid") is not None:
+        _drop_to(int(cfg["uid"]))
+    scratch = cfg["scratch"]
+    _write_files(scratch, int(cfg["payload_fd"]))
     _set_limits(cfg)
-    os.chdir(cfg["scratch"])
+    os.chdir(scratch)
     os.environ.clear()
     os.environ.update(cfg.get("env", {}))
-    sys.path[:0] = [cfg["scratch"]]
+    readable = _read_roots()
+    sys.path[:0] = [scratch]
     if cfg.get("audit", True):
-        _install_audit_hook(os.path.realpath(cfg["scratch"]), cfg.get("read_roots", []))
+        writable = (os.path.realpath(scratch), "/dev/null", *cfg.get("private_tmp", []))
+        _install_audit_hook(writable, readable)
+    return os.path.join(scratch, cfg.get("main", "main.py"))
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    try:
+        main_py = _setup(cfg)
+    except BaseException:  # noqa: BLE001 - set-up failed: say so, never run the code
+        traceback.print_exc()
+        os._exit(EXIT_SETUP)
     code = 0
     try:
-        main = os.path.join(cfg["scratch"], cfg.get("main", "main.py"))
-        sys.argv = [main]
-        runpy.run_path(main, run_name="__main__")
+        sys.argv = [main_py]
+        runpy.run_path(main_py, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):
@@ -158,33 +209,6 @@ def _child(cfg: dict) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
-
-
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _child(cfg)
-        except MemoryError:
-            os._exit(EXIT_MEMORY)
-        except BaseException:  # noqa: BLE001 - set-up failed: say so, never run the code
-            traceback.print_exc()
-            os._exit(1)
-    # pid 1 of a pid namespace ignores signals it has no handler for: exit on them instead.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: os._exit(128 + signal.SIGTERM))
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            os._exit(1)
-        except InterruptedError:
-            continue
-    if os.WIFSIGNALED(status):
-        os._exit(128 + os.WTERMSIG(status))
-    os._exit(os.WEXITSTATUS(status))
 
 
 if __name__ == "__main__":

@@ -166,8 +166,14 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--unsafe_local_sandbox",
+        action="store_true",
+        help="run without bubblewrap, as plain processes that are NOT isolated",
+    )
     args = parser.parse_args()
-    srv, url = serve_run_code(LocalSandbox(workers=args.workers), args.host, args.port)
+    sandbox = LocalSandbox(workers=args.workers, unsafe=args.unsafe_local_sandbox)
+    srv, url = serve_run_code(sandbox, args.host, args.port)
     print(f"serving {url}", flush=True)
     try:
         threading.Event().wait()

@@ -1,56 +1,70 @@
-"""Run untrusted Python in a separate, limited process: the local sandbox.
+"""Run untrusted Python in a bubblewrap box, limited and timed: the local sandbox.
 
-Layers, outermost first (each one is checked once when the sandbox starts, and used when the
-machine allows it):
-  1. a new process session, killed as a whole on the wall-clock timeout;
-  2. `unshare --net --pid`: a network namespace with no interface but a downed loopback, and a
-     pid namespace (the code can neither see nor signal a process outside it; when its first
-     process ends, every process it started dies with it);
-  3. a fresh unprivileged uid when the sandbox runs as root (nothing of anybody else's can be
-     written or signalled; RLIMIT_NPROC counts only the sandbox's own processes);
-  4. rlimits: address space (memory), CPU seconds, processes, file size, open files;
-  5. a Python audit hook: opening files outside the scratch folder (writes) or outside it and
-     the Python installation (reads), sockets other than AF_UNIX, new processes, signals and
-     symlinks end the run with the verdict `blocked`. This layer guards the standard library
-     only (ctypes gets past it): the kernel layers above are the boundary.
-Output is read through pipes and capped; the run is killed when it writes more.
+Boundaries, outermost first (found once per process by `probe_isolation`, see README):
+  1. the box (box.py): bubblewrap with its own root holding only the interpreter, the
+     standard library and the run's scratch, new mount/pid/net/ipc/uts/cgroup namespaces, no
+     capabilities, a fresh unprivileged uid when the server is root, a seccomp filter;
+  2. a per-run cgroup (cgroup.py): total memory (tmpfs included) and number of processes;
+  3. size-capped tmpfs for the scratch folder, /tmp and /dev/shm;
+  4. rlimits per process: address space, CPU seconds, processes, file size, open files;
+  5. the wall-clock timeout (the whole run is killed) and capped stdout/stderr.
+The audit hook in _runner.py only makes verdicts clearer (`blocked`); it is no boundary.
+
+Without a working bubblewrap, `LocalSandbox` refuses to start, unless `unsafe=True`: then runs
+are plain processes with layers 2, 4 and 5 (and the hook) only, able to read and write
+whatever the server can.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import fcntl
 import json
+import logging
 import os
+import platform
+import re
 import secrets
 import selectors
 import shutil
 import signal
-import site
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from treadle.errors import InvalidRequestError
-from treadle.sandbox import _runner
-from treadle.sandbox.types import RunResult
+from treadle.sandbox import _runner, box
+from treadle.sandbox.cgroup import JOIN_EXIT, CgroupRoots, RunCgroup, find_cgroups
+from treadle.sandbox.types import RunResult, SandboxUnavailableError
 
-RUNNER = Path(_runner.__file__)
+log = logging.getLogger(__name__)
+RUNNER_SOURCE = Path(_runner.__file__).read_text()
 _KILL_SIGNALS = {signal.SIGXCPU: "timeout", signal.SIGKILL: "killed"}
+INSTALL_HINT = (
+    "install it with `apt-get install bubblewrap` (Debian/Ubuntu), `dnf install bubblewrap` "
+    "(Fedora/RHEL), `apk add bubblewrap` (Alpine) or `pacman -S bubblewrap` (Arch)"
+)
+UNSAFE_HINT = (
+    "To run untrusted code with no isolation at all (it can then read and write whatever the "
+    "server can), pass LocalSandbox(..., unsafe=True), or --unsafe_local_sandbox true to the "
+    "code_rl recipe."
+)
 
 
 @dataclass
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock, the whole run
-    cpu_s: int = 10
-    memory_mb: int = 1024  # address space
+    cpu_s: int = 10  # per process
+    memory_mb: int = 1024  # all the run's processes and tmpfs together (cgroup); also RLIMIT_AS
     max_procs: int = 4  # processes and threads beyond the sandbox's own
     max_output_bytes: int = 1 << 20  # stdout and stderr each
-    max_file_mb: int = 16
+    max_file_mb: int = 16  # one file (RLIMIT_FSIZE)
+    scratch_mb: int = 64  # the scratch folder, /tmp and /dev/shm: a tmpfs of this size each
     env: dict[str, str] = field(
         default_factory=lambda: {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     )
@@ -60,22 +74,14 @@ class SandboxLimits:
 class Isolation:
     """What this machine allows; found once by `probe_isolation`."""
 
-    unshare: list[str]  # the command prefix ([] when namespaces are unavailable)
-    drop_uid: bool  # running as root: each run gets its own unprivileged uid (via setpriv)
-    # Capabilities the unprivileged uid keeps: only CAP_DAC_READ_SEARCH, and only when the
-    # Python installation is not readable by other users (e.g. it lives under /root).
-    keep_caps: tuple[str, ...] = ()
+    box: box.BoxLayout | None  # None: no usable bubblewrap (see `problem`)
+    cgroups: CgroupRoots | None  # None: rlimits only
+    problem: str = ""  # why there is no box
 
-    def uid_prefix(self, uid: int | None) -> list[str]:
-        if uid is None or not self.drop_uid:
-            return []
-        caps = [f"--inh-caps=+{c}" for c in self.keep_caps]
-        caps += [f"--ambient-caps=+{c}" for c in self.keep_caps]
-        return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *caps]
-
-    @property
-    def network_namespace(self) -> bool:
-        return bool(self.unshare)
+    def describe(self) -> str:
+        parts = [self.box.describe() if self.box else "NO BOX (unsafe: a plain process)"]
+        parts.append(self.cgroups.describe() if self.cgroups else "no cgroup (rlimits only)")
+        return "; ".join(parts)
 
 
 _probe_lock = threading.Lock()
@@ -91,70 +97,72 @@ def probe_isolation() -> Isolation:
 
 
 def _probe() -> Isolation:
-    root = os.geteuid() == 0
-    unshare = _probe_unshare(root)
-    if not (root and shutil.which("setpriv")):
-        return Isolation(unshare, False)
-    for caps in ((), ("dac_read_search",)):
-        iso = Isolation(unshare, True, caps)
-        # the interpreter must find its own standard library under the new uid
-        stdlib = os.path.realpath(sysconfig.get_path("stdlib"))
-        check = f"import os, json; assert os.path.realpath(json.__file__).startswith({stdlib!r})"
-        cmd = [*iso.uid_prefix(65534), sys.executable, "-I", "-c", check]
-        if _runs(cmd):
+    cgroups = find_cgroups()
+    bwrap = box.find_bwrap()
+    if bwrap is None:
+        problem = (
+            f"The local sandbox needs bubblewrap (bwrap), which is not installed: {INSTALL_HINT}."
+        )
+        return Isolation(None, _check_cgroups(cgroups), problem)
+    features = box.bwrap_features(bwrap)
+    missing = [f for f in box.REQUIRED_FEATURES if f not in features]
+    if missing:
+        problem = (
+            f"{bwrap} is too old for the local sandbox (it has no {', '.join(missing)}); "
+            f"update it: {INSTALL_HINT}."
+        )
+        return Isolation(None, _check_cgroups(cgroups), problem)
+    layout = box.plan_box(bwrap, features)
+    if not layout.sized_tmpfs and not (cgroups and cgroups.memory):
+        problem = (
+            f"{bwrap} cannot cap a tmpfs (--size, bubblewrap 0.8+) and there is no memory "
+            f"cgroup to bound it; update bubblewrap: {INSTALL_HINT}."
+        )
+        return Isolation(None, cgroups, problem)
+    for groups in [cgroups, None] if cgroups else [None]:
+        iso = Isolation(layout, groups)
+        result = _probe_run(iso)
+        if result.ok:
             return iso
-    return Isolation(unshare, False)
+    problem = (
+        f"bubblewrap is installed but could not start a sandbox here ({result.status}: "
+        f"{result.stderr.strip()[-400:]}). In a container, allow unprivileged user namespaces "
+        "or run the server as root with CAP_SYS_ADMIN."
+    )
+    return Isolation(None, _check_cgroups(cgroups), problem)
 
 
-def _runs(cmd: list[str]) -> bool:
-    try:
-        return subprocess.run(cmd, capture_output=True, timeout=20, cwd="/").returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def _check_cgroups(cgroups: CgroupRoots | None) -> CgroupRoots | None:
+    if cgroups is None:
+        return None
+    return cgroups if _probe_run(Isolation(None, cgroups)).ok else None
 
 
-def _probe_unshare(root: bool) -> list[str]:
-    tool = shutil.which("unshare")
-    candidates = []
-    if tool:
-        base = [tool, "--net", "--pid", "--fork", "--kill-child"]
-        # without root, the namespaces need a user namespace of their own
-        candidates = [base] if root else [[*base, "--map-root-user"]]
-    for prefix in candidates:
-        if _runs([*prefix, sys.executable, "-I", "-c", "pass"]):
-            return prefix
-    return []
-
-
-def _read_roots() -> list[str]:
-    """What the code may read besides its scratch folder: the Python installation."""
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    roots |= {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots |= set(site.getsitepackages())
-    roots |= {"/dev/urandom", "/dev/zero", "/etc/localtime", "/usr/share/zoneinfo"}
-    roots.add(str(RUNNER))  # its own source (tracebacks read it)
-    return sorted(os.path.realpath(r) for r in roots if r)
-
-
-def _user_process_count() -> int:
-    uid, n = os.getuid(), 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                n += entry.stat().st_uid == uid
-            except OSError:
-                pass
-    return n
+def _probe_run(iso: Isolation) -> RunResult:
+    limits = SandboxLimits(timeout_s=20.0, cpu_s=10, memory_mb=512)
+    return _Run(iso, limits, audit=True).run({"main.py": "import json, os"}, "", 20.0)
 
 
 class LocalSandbox:
-    """Runs programs with `limits`, at most `workers` at once (`submit` from any thread)."""
+    """Runs programs with `limits`, at most `workers` at once (`submit` from any thread).
 
-    def __init__(self, limits: SandboxLimits | None = None, workers: int = 4, audit: bool = True):
+    Without a working bubblewrap it raises SandboxUnavailableError, unless `unsafe`; `audit`
+    turns the audit hook (clearer `blocked` verdicts, no boundary) on or off."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        workers: int = 4,
+        audit: bool = True,
+        unsafe: bool = False,
+    ):
         self.limits = limits or SandboxLimits()
         self.audit = audit
         self.isolation = probe_isolation()
-        self._read_roots = _read_roots()
+        if self.isolation.box is None:
+            if not unsafe:
+                raise SandboxUnavailableError(f"{self.isolation.problem} {UNSAFE_HINT}")
+            log.warning("local sandbox WITHOUT isolation (unsafe=True): %s", self.isolation.problem)
         self._prefix = f"sandbox-{id(self)}"
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, self._prefix)
 
@@ -168,13 +176,15 @@ class LocalSandbox:
         timeout_s: float | None = None,
     ) -> RunResult:
         """Run `code` as main.py in a fresh scratch folder holding `files`."""
-        scratch = Path(tempfile.mkdtemp(prefix="treadle-sandbox-"))
-        uid = 100_000 + secrets.randbelow(1 << 30) if self.isolation.drop_uid else None
-        try:
-            self._write_files(scratch, {**(files or {}), "main.py": code}, uid)
-            return self._execute(scratch, stdin, timeout_s or self.limits.timeout_s, uid)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        files = {**(files or {}), "main.py": code}
+        for name in files:
+            path = PurePosixPath(name)
+            if path.is_absolute() or ".." in path.parts or not path.parts:
+                raise InvalidRequestError(
+                    f"files: expected a relative path inside the scratch folder, got {name!r}"
+                )
+        run = _Run(self.isolation, self.limits, self.audit)
+        return run.run(files, stdin, timeout_s or self.limits.timeout_s)
 
     def submit(self, code: str, files=None, stdin: str = "", timeout_s=None):
         """`run` on a worker thread; returns a concurrent.futures.Future[RunResult]. Called
@@ -194,145 +204,238 @@ class LocalSandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- one run ---------------------------------------------------------------------------
 
-    def _write_files(self, scratch: Path, files: dict[str, str | bytes], uid: int | None) -> None:
-        for name, content in files.items():
-            path = (scratch / name).resolve()
-            if not path.is_relative_to(scratch.resolve()):
-                raise InvalidRequestError(
-                    f"files: expected a relative path inside the scratch folder, got {name!r}"
-                )
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = content.encode() if isinstance(content, str) else content
-            path.write_bytes(data)
-        if uid is not None:
-            for p in [scratch, *scratch.rglob("*")]:
-                os.chown(p, uid, uid)
-        scratch.chmod(0o700)
+# ---- one run -------------------------------------------------------------------------------
 
-    def _config(self, scratch: Path, uid: int | None) -> dict:
+
+@dataclass
+class _Run:
+    iso: Isolation
+    limits: SandboxLimits
+    audit: bool
+
+    def run(self, files: dict[str, str | bytes], stdin: str, timeout_s: float) -> RunResult:
+        with ExitStack() as stack:
+            lim = self.limits
+            boxed = self.iso.box is not None
+            uid = 100_000 + secrets.randbelow(1 << 30) if boxed and self.iso.box.as_root else None
+            if boxed:
+                scratch = box.SCRATCH
+            else:
+                scratch = tempfile.mkdtemp(prefix="treadle-sandbox-")
+                stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            cgroup = None
+            if self.iso.cgroups is not None:
+                # the box's own processes (bubblewrap, its init, the runner) plus the run's
+                own = 3 if boxed else 1
+                cgroup = RunCgroup(self.iso.cgroups, lim.memory_mb << 20, own + lim.max_procs)
+                stack.callback(cgroup.remove)
+            encoded = [[n, base64.b64encode(_bytes(c)).decode()] for n, c in files.items()]
+            payload_fd = _read_only_fd(json.dumps({"files": encoded}).encode())
+            stack.callback(os.close, payload_fd)
+            stdin_fd = _read_only_fd(stdin.encode())
+            stack.callback(os.close, stdin_fd)
+            seccomp_fd = None
+            if boxed and self.iso.box.seccomp is not None:
+                seccomp_fd = _read_only_fd(self.iso.box.seccomp)
+                stack.callback(os.close, seccomp_fd)
+            cmd = self._command(self._config(scratch, uid, payload_fd, boxed), seccomp_fd)
+            if cgroup is not None:
+                cmd = cgroup.wrap(cmd, shutil.which("sh") or "/bin/sh")
+            inherited = [fd for fd in (payload_fd, seccomp_fd) if fd is not None]
+            return self._execute(cmd, scratch, stdin_fd, inherited, timeout_s, cgroup)
+
+    def _config(self, scratch: str, uid: int | None, payload_fd: int, boxed: bool) -> dict:
         lim = self.limits
-        # Without a private uid the process count is the user's own: allow what it has now.
-        base = 2 if uid is not None else _user_process_count()
         return {
-            "scratch": str(scratch),
+            "scratch": scratch,
+            "payload_fd": payload_fd,
             "memory_mb": lim.memory_mb,
             "cpu_s": lim.cpu_s,
-            "nproc": base + lim.max_procs,
+            "nproc": self._nproc_base(uid, boxed) + lim.max_procs,
             "file_mb": lim.max_file_mb,
             "uid": uid,
             "audit": self.audit,
-            "read_roots": self._read_roots,
-            "env": dict(lim.env),
+            "private_tmp": ["/tmp", "/dev/shm"] if boxed else [],
+            "env": {"HOME": scratch, **lim.env},
         }
 
-    def _execute(self, scratch: Path, stdin: str, timeout_s: float, uid: int | None) -> RunResult:
-        cmd = [
-            *self.isolation.unshare,
-            *self.isolation.uid_prefix(uid),
-            sys.executable,
-            "-I",
-            str(RUNNER),
-            json.dumps(self._config(scratch, uid)),
-        ]
-        # stdin from an unlinked file: a program that never reads it cannot block the writer
-        stdin_file = tempfile.TemporaryFile()
-        stdin_file.write(stdin.encode())
-        stdin_file.seek(0)
+    def _nproc_base(self, uid: int | None, boxed: bool) -> int:
+        """The processes RLIMIT_NPROC counts before the run starts any."""
+        if uid is not None:
+            return 1  # a fresh uid: only the runner
+        if boxed and _kernel() >= (5, 14):
+            return 2  # counted per user namespace: bubblewrap's init and the runner
+        return _user_process_count() + 1  # every process of this user
+
+    def _command(self, cfg: dict, seccomp_fd: int | None) -> list[str]:
+        python = box.base_python()
+        if self.iso.box is not None:
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cfg["scratch"]}
+            scratch_bytes = self.limits.scratch_mb << 20
+            prefix = self.iso.box.argv(scratch_bytes, {**env, **cfg["env"]}, seccomp_fd)
+            python = self.iso.box.python
+        else:
+            prefix = []
+        return [*prefix, python, "-I", "-S", "-c", RUNNER_SOURCE, json.dumps(cfg)]
+
+    def _execute(
+        self,
+        cmd: list[str],
+        scratch: str,
+        stdin_fd: int,
+        inherited: list[int],
+        timeout_s: float,
+        cgroup: RunCgroup | None,
+    ) -> RunResult:
         start = time.monotonic()
         proc = subprocess.Popen(
             cmd,
-            stdin=stdin_file,
+            stdin=stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            cwd=scratch,
+            pass_fds=inherited,
+            cwd="/" if self.iso.box is not None else scratch,
             start_new_session=True,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         )
         try:
-            out, err, reason = self._communicate(proc, start + timeout_s)
+            out, err, reason = _communicate(proc, start + timeout_s, self.limits.max_output_bytes)
         finally:
-            self._kill(proc, uid)
-            stdin_file.close()
+            _kill(proc, cgroup, boxed=self.iso.box is not None)
         rc = proc.returncode
-        wall = time.monotonic() - start
-        status = reason or _status_from_code(rc)
+        status = reason or _status_from_code(rc, err)
+        if cgroup is not None and cgroup.oom_killed() and status not in ("timeout", "output_limit"):
+            status = "memory"
         return RunResult(
             status=status,
             exit_code=rc,
             stdout=out.decode(errors="replace"),
             stderr=err.decode(errors="replace"),
-            wall_s=wall,
+            wall_s=time.monotonic() - start,
             truncated=reason == "output_limit",
             pid=proc.pid,
         )
 
-    def _communicate(
-        self, proc: subprocess.Popen, deadline: float
-    ) -> tuple[bytes, bytes, str | None]:
-        """Collect capped output; the reason the run was cut short, if it was."""
-        cap = self.limits.max_output_bytes
-        bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-        with selectors.DefaultSelector() as sel:
-            for f in bufs:
-                sel.register(f, selectors.EVENT_READ)
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "timeout"
-                for key, _ in sel.select(min(left, 0.5)):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        continue
-                    buf = bufs[key.fileobj]
-                    buf += chunk
-                    if len(buf) > cap:
-                        del buf[cap:]
-                        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "output_limit"
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "timeout"
-        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), None
 
-    def _kill(self, proc: subprocess.Popen, uid: int | None) -> None:
-        """Everything the run started dies: its session, and (without a pid namespace) any
-        process of its private uid or session that escaped."""
+def _bytes(content: str | bytes) -> bytes:
+    return content.encode() if isinstance(content, str) else content
+
+
+def _read_only_fd(data: bytes) -> int:
+    """A read-only descriptor (close-on-exec, offset 0) of `data`: a memfd sealed against
+    writes where the system allows (reopening it read-write through /proc gets nowhere), else
+    an unlinked 0400 temporary file."""
+    try:
+        fd = os.memfd_create("treadle-sandbox", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        sealed = True
+    except (AttributeError, OSError):
+        with tempfile.TemporaryFile() as f:
+            fd, sealed = os.dup(f.fileno()), False
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sealed:
+            seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | fcntl.F_SEAL_SEAL)
+        os.fchmod(fd, 0o400)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
+def _communicate(
+    proc: subprocess.Popen, deadline: float, cap: int
+) -> tuple[bytes, bytes, str | None]:
+    """Collect capped output; the reason the run was cut short, if it was."""
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for f in bufs:
+            sel.register(f, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "timeout"
+            for key, _ in sel.select(min(left, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fileobj]
+                buf += chunk
+                if len(buf) > cap:
+                    del buf[cap:]
+                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "output_limit"
+    try:
+        proc.wait(max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "timeout"
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), None
+
+
+def _kill(proc: subprocess.Popen, cgroup: RunCgroup | None, boxed: bool) -> None:
+    """Everything the run started dies. Boxed, with a cgroup: all of it but bubblewrap, which
+    then reaps the box's init and exits by itself; then bubblewrap's session (its pid namespace
+    dies with it), and whatever is left in the cgroup. Without a box: its session."""
+    if proc.returncode is None and boxed and cgroup is not None:
+        cgroup.kill(spare=proc.pid)
+        try:
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.returncode is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        proc.wait()
-        if not self.isolation.unshare:
-            for pid in _stray_processes(proc.pid, uid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for f in (proc.stdout, proc.stderr):
-            f.close()
+    proc.wait()
+    if cgroup is not None:
+        cgroup.kill()
+    if not boxed:
+        for pid in _session_processes(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for f in (proc.stdout, proc.stderr):
+        f.close()
 
 
-def _stray_processes(session: int, uid: int | None) -> list[int]:
+def _session_processes(session: int) -> list[int]:
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-            sid = int(stat.rsplit(")", 1)[1].split()[3])
-            if sid == session or (uid is not None and entry.stat().st_uid == uid):
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            pass
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[3]) == session:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
     return found
 
 
-def _status_from_code(rc: int) -> str:
+def _user_process_count() -> int:
+    uid, n = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _kernel() -> tuple[int, int]:
+    nums = [int(n) for n in re.findall(r"\d+", platform.release())[:2]]
+    return (nums + [0, 0])[0], (nums + [0, 0])[1]
+
+
+def _status_from_code(rc: int, stderr: bytes) -> str:
     if rc == 0:
         return "ok"
+    if rc in (_runner.EXIT_SETUP, JOIN_EXIT) or stderr.startswith(b"bwrap: "):
+        return "sandbox_error"
     if rc == _runner.EXIT_BLOCKED:
         return "blocked"
     if rc == _runner.EXIT_MEMORY:

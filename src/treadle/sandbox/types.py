@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from treadle.errors import TreadleError
+
 # ok: exit code 0 · error: non-zero exit or a crash · timeout: wall clock or CPU time ·
-# memory: the memory limit · output_limit: more output than allowed · blocked: a forbidden
-# operation (file outside the scratch folder, network, new process, signal) · killed: killed
-# by the system · sandbox_error: the sandbox itself failed (e.g. a remote one is unreachable)
+# memory: the memory limit (a process, or the run's cgroup) · output_limit: more output than
+# allowed · blocked: a forbidden operation the audit hook stopped (file outside the scratch
+# folder, network, new process, signal) · killed: killed by the system · sandbox_error: the
+# sandbox itself failed (e.g. a remote one is unreachable)
 STATUSES = (
     "ok",
     "error",
@@ -19,6 +22,10 @@ STATUSES = (
     "killed",
     "sandbox_error",
 )
+
+
+class SandboxUnavailableError(TreadleError, RuntimeError):
+    """The local sandbox cannot isolate runs on this machine; the message says how to fix it."""
 
 
 @dataclass

@@ -8,6 +8,9 @@
     python -m treadle.cookbook.recipes.code_rl --dataset problems.jsonl \\
         --sandbox http://localhost:8080/run_code      # a SandboxFusion server
 
+The local sandbox needs bubblewrap (`apt-get install bubblewrap`); `--unsafe_local_sandbox true`
+runs solutions without it, as plain processes that can read whatever the trainer can.
+
 Reward 1 when every test passes, 0 otherwise, `format_penalty` without a code block.
 `--two_turn true` lets the model call `check_solution` once before its graded answer.
 Groups sampled by a policy at most `max_steps_off_policy` steps old are trained on; older ones
@@ -41,6 +44,8 @@ class Config:
     two_turn: bool = False
     sandbox: str = "local"  # local | the URL of a SandboxFusion server
     sandbox_workers: int = 8
+    # local sandbox without bubblewrap: run solutions as plain processes, NOT isolated
+    unsafe_local_sandbox: bool = False
     timeout_per_test_s: float = 2.0
     memory_mb: int = 1024
     format_penalty: float = -0.1
@@ -74,7 +79,7 @@ def make_sandbox(cfg: Config):
         limits = SandboxLimits(
             timeout_s=10.0, cpu_s=10, memory_mb=cfg.memory_mb, max_output_bytes=1 << 20
         )
-        return LocalSandbox(limits, workers=cfg.sandbox_workers)
+        return LocalSandbox(limits, workers=cfg.sandbox_workers, unsafe=cfg.unsafe_local_sandbox)
     return FusionSandbox(cfg.sandbox, workers=cfg.sandbox_workers, memory_mb=cfg.memory_mb)
 
 

@@ -175,7 +175,7 @@ def test_tokenizer_folder_is_written_once_per_file_version(smol, gguf_path, tmp_
     import os
     import shutil
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     copy = tmp_path / "model.gguf"
     shutil.copy(gguf_path, copy)
@@ -183,6 +183,8 @@ def test_tokenizer_folder_is_written_once_per_file_version(smol, gguf_path, tmp_
     assert tokenizer_folder(copy, tmp_path / "cache") == first
     tok = AutoTokenizer.from_pretrained(first, local_files_only=True)
     assert chat_ids(tok, CHAT) == chat_ids(smol.tokenizer, CHAT)
+    config = AutoConfig.from_pretrained(first, local_files_only=True)
+    assert config.hidden_size == 576 and config.max_position_embeddings == 8192
     os.utime(copy, ns=(0, 0))  # a changed file: written again, elsewhere
     assert tokenizer_folder(copy, tmp_path / "cache") != first
 

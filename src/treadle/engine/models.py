@@ -149,10 +149,13 @@ def eos_token_ids(config: object, tokenizer: object, generation_config: object =
 def tokenizer_folder(model_path: str | Path, cache_dir: str | Path) -> Path:
     """A folder that AutoTokenizer.from_pretrained loads (tokenizer files, chat template).
 
-    A model folder is returned as it is. A GGUF file's tokenizer is written once, with
+    A model folder is returned as it is. A GGUF file's tokenizer and config (clients read
+    AutoConfig too, e.g. tinker-cookbook's learning-rate rule) are written once, with
     save_pretrained, under cache_dir in a folder keyed by the file's path, size and mtime,
     so a changed file is written again.
     """
+    from transformers import AutoConfig
+
     folder, gguf = model_source(model_path)
     if gguf is None:
         return folder
@@ -164,6 +167,7 @@ def tokenizer_folder(model_path: str | Path, cache_dir: str | Path) -> Path:
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         load_tokenizer(file).save_pretrained(str(tmp))
+        AutoConfig.from_pretrained(folder, **_source_kwargs(gguf)).save_pretrained(str(tmp))
         try:
             tmp.rename(out)  # readers never see a half-written folder
         except OSError:  # another process wrote it first

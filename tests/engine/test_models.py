@@ -61,7 +61,7 @@ def test_model_source_folder_or_gguf(model_dir, tmp_path):
     (tmp_path / "other.gguf").write_bytes(b"GGUF")
     with pytest.raises(InvalidRequestError, match="exactly one .gguf"):
         model_source(tmp_path)
-    with pytest.raises(InvalidRequestError, match="holds nothing"):
+    with pytest.raises(InvalidRequestError, match="not found"):
         model_source(tmp_path / "missing.gguf")
 
 

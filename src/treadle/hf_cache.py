@@ -69,8 +69,12 @@ def place_in_hf_cache(
     Returns the snapshot folder.
     """
     src = Path(model_dir).expanduser()
+    if src.is_file() and src.suffix == ".gguf":  # its tokenizer, extracted once
+        from treadle.engine.models import tokenizer_folder
+
+        src = tokenizer_folder(src, Path(cache_dir or default_cache_dir()) / ".treadle-gguf")
     if not src.is_dir():
-        raise InvalidRequestError(f"model_dir: {str(src)!r} is not a folder")
+        raise InvalidRequestError(f"model_dir: {str(src)!r} is not a folder or a .gguf file")
     files = tokenizer_files(src)
     if not any(f.name.startswith("tokenizer") for f in files):
         raise InvalidRequestError(

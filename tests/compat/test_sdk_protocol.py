@@ -22,11 +22,8 @@ API_KEY = "tml-treadle-compat"
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model.eval().requires_grad_(False)
+def plain(plain_model):
+    return plain_model
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 
 from treadle.launch import ServerProcess
-from treadle.server.tenancy import tenants
 from treadle.server.storage.database import Store
+from treadle.server.tenancy import tenants
 from treadle.types import Datum, ModelInput, TensorData
 from treadle.wire import codec
 
@@ -90,6 +90,12 @@ class Api:
         reply = self.ok("create_model", body)
         self.done(reply["request_id"])
         return reply["model_id"]
+
+    def sampler(self, session_id: str, seq: int = 0, **source: str) -> str:
+        """A sampling session of the base model (or of `model_path=...`)."""
+        body = {"session_id": session_id, "sampling_session_seq_id": seq}
+        body.update(source or {"base_model": TINY})
+        return self.ok("create_sampling_session", body)["sampling_session_id"]
 
     def forward(
         self, model_id: str, seq_id: int, lengths: list[int], backward: bool = False

@@ -18,11 +18,8 @@ API_KEY = "tml-treadle-tests"
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return model.eval().requires_grad_(False)
+def plain(plain_model):
+    return plain_model
 
 
 def plain_lp(model, tokens: list[int], targets: list[int]) -> np.ndarray:

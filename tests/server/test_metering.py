@@ -125,10 +125,7 @@ def test_each_result_carries_its_usage(treadle_server):
     assert len(codec.decode_forward_backward_output(body).loss_fn_outputs) == 2
     tinker_conv = pytest.importorskip("tinker.proto.response_conv")
     assert len(tinker_conv.deserialize_forward_backward_output(body).loss_fn_outputs) == 2
-    sampler = api.ok(
-        "create_sampling_session",
-        {"session_id": sid, "sampling_session_seq_id": 0, "base_model": TINY},
-    )["sampling_session_id"]
+    sampler = api.sampler(sid)
     sample = {
         "sampling_session_id": sampler,
         "num_samples": 2,

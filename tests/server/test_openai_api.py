@@ -190,17 +190,14 @@ def test_completion_stop_strings_are_cut_and_legacy_logprobs_match(client, tok, 
     assert r2.choices[0].finish_reason == seq.stop_reason
 
 
-def test_top_logprobs_are_the_model_distribution(client, tok, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
+def test_top_logprobs_are_the_model_distribution(client, tok, plain_model):
     r = client.chat.completions.create(
         model=TINY, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
         extra_body=IDS,
     )  # fmt: skip
     ids = extra(r, "prompt_token_ids") + extra(r.choices[0], "token_ids")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
-        lp = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
+        lp = plain_model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
     P = len(extra(r, "prompt_token_ids"))
     for i, entry in enumerate(r.choices[0].logprobs.content):
         row = lp[P - 1 + i]  # (V,) predicts completion token i

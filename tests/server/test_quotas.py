@@ -97,10 +97,7 @@ def test_rank_and_tokens_per_request(server):
     assert "41 model-input tokens" in big.json()["error"]
     fits = t.forward(model, 2, [20, 20])  # the refused seq_id does not hold the model up
     assert "error" not in t.done(fits.json()["request_id"])
-    sampler = t.ok(
-        "create_sampling_session",
-        {"session_id": sid, "sampling_session_seq_id": 0, "base_model": TINY},
-    )["sampling_session_id"]
+    sampler = t.sampler(sid)
     sample = {
         "sampling_session_id": sampler,
         "num_samples": 2,

@@ -472,10 +472,7 @@ def test_input_limits_name_the_limit_and_the_value(alice):
     ok = alice.forward(model, 3, [30, 30])  # the refused seq_ids do not block the model
     assert "error" not in alice.done(ok.json()["request_id"])
 
-    sampler = alice.ok(
-        "create_sampling_session",
-        {"session_id": sid, "sampling_session_seq_id": 0, "base_model": TINY},
-    )["sampling_session_id"]
+    sampler = alice.sampler(sid)
 
     def sample(**kw):
         body = {**_sample(sampler), "seq_id": None, "num_samples": 1, **kw}

@@ -86,6 +86,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
                 log.info("loading model %s from %s", name, path)
                 engine = await asyncio.to_thread(make_engine, name, path, config)
                 state.engines.add(_engine_loop(name, engine, state, config))
+            for name, path in config.models.items():
+                state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
             for engine in state.engines.all():
                 engine.start()
             app.state.server = state
@@ -145,6 +147,12 @@ def _build_state(
         keyring=keyring,
         signer=Signer(),
     )
+
+
+def _tokenizer_dir(model_path: str, config: ServerConfig) -> Path:
+    from treadle.engine.models import tokenizer_folder
+
+    return tokenizer_folder(model_path, Path(config.data_dir) / "tokenizers")
 
 
 def _engine_loop(name: str, engine: Any, state: ServerState, config: ServerConfig) -> EngineLoop:

@@ -29,7 +29,8 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
         if not name or not path:
             raise ValueError(f"--model: expected NAME=PATH or PATH, got {arg!r}")
         return name, path
-    return Path(arg).resolve().name, arg
+    path = Path(arg)
+    return (path.stem if path.is_file() else path.resolve().name), arg
 
 
 class Price(BaseModel):
@@ -65,7 +66,8 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
     models: dict[str, str]
-    """Served base models: name (what clients pass as base_model) → local HF model folder."""
+    """Served base models: name (what clients pass as base_model) → a local HF model folder
+    or a .gguf file (dequantised at load)."""
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 8000

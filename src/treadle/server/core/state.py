@@ -8,7 +8,8 @@ adapter quota counts both.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from treadle.server.config import ServerConfig
 from treadle.server.core.checkpoints import Checkpoints
@@ -42,6 +43,8 @@ class ServerState:
     bindings: Bindings
     keyring: KeyRing
     signer: Signer
+    tokenizer_dirs: dict[str, Path] = field(default_factory=dict)
+    """Per served model: a folder AutoTokenizer loads (a GGUF's is extracted at start-up)."""
 
     def check_adapter_slot(self, tenant: Tenant) -> None:
         """The max_adapters_in_memory quota: training models plus loaded samplers."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import zipfile
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -34,11 +33,11 @@ TOKENIZER_FILES = (
 def get_tokenizer(name: str, state: StateDep) -> Response:
     """A zip of the served model's tokenizer files, flat; AutoTokenizer loads the folder
     they unpack to. `name` is the served name (may contain '/')."""
-    if name not in state.config.models:
+    if name not in state.tokenizer_dirs:
         raise NotFoundError(
-            f"model {name!r} is not served here; served: {sorted(state.config.models)}"
+            f"model {name!r} is not served here; served: {sorted(state.tokenizer_dirs)}"
         )
-    folder = Path(state.config.models[name])
+    folder = state.tokenizer_dirs[name]
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for fname in TOKENIZER_FILES:

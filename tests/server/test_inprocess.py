@@ -45,7 +45,9 @@ def faulty_engine(name: str, path: str, config: ServerConfig):
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("inprocess")
-    config = ServerConfig(models={TINY: str(tiny_model_dir)}, data_dir=str(data))
+    config = ServerConfig(
+        models={TINY: str(tiny_model_dir)}, data_dir=str(data), engine_processes=False
+    )
     with TestClient(create_app(config, engine_factory=faulty_engine)) as c:
         yield c
 

@@ -1,6 +1,7 @@
 """The `treadle` command: each subcommand parses its flags and calls one importable function.
 
 treadle serve --model treadle/tiny-llama=.models/tiny-llama --port 8000
+treadle worker --model treadle/tiny-llama=.models/tiny-llama --connect tcp://host:5555
 treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
 treadle hf-cache --model treadle/tiny-llama=.models/tiny-llama
 treadle demo
@@ -26,6 +27,21 @@ def _serve(args: argparse.Namespace) -> None:
     if not models:
         sys.exit("treadle serve: give at least one --model NAME=PATH (or --model PATH)")
     serve(ServerConfig(**{**settings, **flag_values(args), "models": models}))
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from treadle.server.config import ServerConfig, flag_values, parse_model_arg
+    from treadle.server.main import configure_process
+    from treadle.worker.process import run_worker
+
+    settings = json.loads(Path(args.config).read_text()) if args.config else {}
+    models = dict(settings.get("models", {}))
+    models.update(parse_model_arg(m) for m in args.model)
+    if len(models) != 1:
+        sys.exit("treadle worker: give exactly one --model NAME=PATH")
+    config = ServerConfig(**{**settings, **flag_values(args), "models": models})
+    configure_process(config)
+    run_worker(config, args.connect)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -74,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_flags(p)  # --host, --port, --data-dir, --db, --dtype, ...: one per ServerConfig field
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "worker", help="run the engine of one model, connected to a server's worker address"
+    )
+    p.add_argument("--model", action="append", default=[], help="NAME=PATH of the model")
+    p.add_argument(
+        "--connect", required=True, help="the server's worker address, e.g. tcp://10.0.0.5:5555"
+    )
+    p.add_argument("--config", help="a JSON file of server settings (see ServerConfig)")
+    serve_flags(p)  # the engine's settings: --data-dir, --db, --dtype, --device, ...
+    p.set_defaults(func=_worker)
 
     p = sub.add_parser("make-tiny-model", help="build a small random model folder offline")
     p.add_argument("dir")

@@ -35,6 +35,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TREADLE_META = "treadle_adapter.json"
 OPTIMIZER = "optimizer.pt"
 STATE = "treadle_state.json"
+GRADS = "gradients.safetensors"
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$")
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
@@ -236,4 +237,33 @@ def load_state(
                     f"tensors, expected {len(adapter.parameters())} for this adapter"
                 )
             opt.load_state_dict(state)
+    return adapter
+
+
+# ---- snapshots: training state plus the gradients accumulated since the last step ----
+def save_snapshot(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_model: str) -> None:
+    """save_state plus the accumulated gradients: a model restored from it continues
+    exactly where it was, even between a forward_backward and its optim_step."""
+    out = Path(out_dir)
+    save_state(bank, adapter, out, base_model)
+    grads = {
+        f"{path}.{name}": t.grad.detach().cpu().contiguous()
+        for path, pair in adapter.layers.items()
+        for name, t in (("A", pair.A), ("B", pair.B))
+        if t.grad is not None
+    }
+    if grads:
+        save_file(grads, str(out / GRADS))
+
+
+def load_snapshot(bank: AdapterBank, adapter_id: str, in_dir: str | Path) -> Adapter:
+    folder = Path(in_dir)
+    adapter = load_state(bank, adapter_id, folder, with_optimizer=True)
+    if (folder / GRADS).is_file():
+        grads = load_file(str(folder / GRADS))
+        for path, pair in adapter.layers.items():
+            for name, t in (("A", pair.A), ("B", pair.B)):
+                g = grads.get(f"{path}.{name}")
+                if g is not None:
+                    t.grad = g.to(t.device, t.dtype)
     return adapter

@@ -134,3 +134,21 @@ class Engine:
     def load_state(self, adapter_id: str, in_dir: str | Path, with_optimizer: bool = True) -> None:
         """Create (or replace) adapter_id from a saved state."""
         checkpoints.load_state(self.bank, adapter_id, in_dir, with_optimizer=with_optimizer)
+
+    def save_snapshot(self, adapter_id: str, out_dir: str | Path) -> None:
+        """save_state plus the gradients accumulated since the last optim_step."""
+        adapter = self.bank.live(adapter_id)
+        checkpoints.save_snapshot(self.bank, adapter, out_dir, self.model_name)
+
+    def load_snapshot(self, adapter_id: str, in_dir: str | Path) -> None:
+        """Create (or replace) adapter_id exactly as save_snapshot found it."""
+        checkpoints.load_snapshot(self.bank, adapter_id, in_dir)
+
+    def load_frozen(self, snapshot_id: str, in_dir: str | Path) -> None:
+        """A snapshot (frozen sampler weights) from a PEFT adapter folder."""
+        scratch = f"{snapshot_id}#loading"
+        self.load_adapter(scratch, in_dir)
+        try:
+            self.snapshot(scratch, snapshot_id)
+        finally:
+            self.drop_adapter(scratch)

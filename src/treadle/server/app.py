@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from sqlalchemy import update
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.errors import TreadleError
@@ -39,18 +40,20 @@ from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.models import TrainingModels
+from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
 from treadle.server.core.sessions import Sessions
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
-from treadle.server.runtime.engine_client import EngineFacts
+from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
+from treadle.server.runtime.supervisor import Supervisor
 from treadle.server.storage.database import Store
-from treadle.server.storage.rows import SessionRow
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
@@ -73,23 +76,20 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         store = Store(config.resolved_db_url)
-        failed = store.fail_unfinished("the server restarted before this request finished")
-        if failed:
-            log.warning("marked %d unfinished requests of a previous run as failed", failed)
-        _expire_sessions_of_previous_run(store)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
         state = _build_state(config, store, journal, asyncio.get_running_loop())
+        recovery = Recovery(state)
+        engines = (
+            _ProcessEngines(config, state, recovery)
+            if config.engine_processes
+            else _ThreadEngines(config, state, recovery, make_engine)
+        )
         try:
-            for name, path in config.models.items():
-                log.info("loading model %s from %s", name, path)
-                engine = await asyncio.to_thread(make_engine, name, path, config)
-                state.engines.add(_engine_loop(name, engine, state, config))
+            await engines.start()
             for name, path in config.models.items():
                 state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
-            for engine in state.engines.all():
-                engine.start()
             app.state.server = state
             app.state.keyring = state.keyring
             app.state.openai = OpenAIServing(state)
@@ -100,8 +100,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             finally:
                 reaper.cancel()
         finally:
-            for engine in state.engines.all():  # first: their last outcomes go to the journal
-                engine.stop()
+            await engines.stop()  # first: their last outcomes go to the journal
             journal.stop()
             remove_filter()
             store.close()
@@ -155,22 +154,94 @@ def _tokenizer_dir(model_path: str, config: ServerConfig) -> Path:
     return tokenizer_folder(model_path, Path(config.data_dir) / "tokenizers")
 
 
-def _engine_loop(name: str, engine: Any, state: ServerState, config: ServerConfig) -> EngineLoop:
-    writer = CheckpointWriter(engine, state.store, state.journal, config.artifacts_dir)
-    facts = EngineFacts(
-        name=name,
-        vocab_size=int(engine.vocab_size),
-        max_seq_len=int(engine.max_seq_len),
-        max_lora_rank=int(engine.max_lora_rank),
-        arch=engine.arch,
-    )
-    return EngineLoop(
-        facts,
-        OpExecutor(engine, writer, config.max_snapshots_per_model),
-        state.futures.finish,
-        config.max_sample_batch,
-        max_merge_tokens=config.max_merge_tokens,
-    )
+class _ThreadEngines:
+    """Each model's engine on a thread of this process (engine_processes false)."""
+
+    def __init__(self, config: ServerConfig, state: ServerState, recovery: Recovery, make: Any):
+        self.config, self.state, self.recovery, self.make = config, state, recovery, make
+
+    async def start(self) -> None:
+        config, state = self.config, self.state
+        for name, path in config.models.items():
+            log.info("loading model %s from %s", name, path)
+            engine = await asyncio.to_thread(self.make, name, path, config)
+            writer = CheckpointWriter(engine, state.store, state.journal, config.artifacts_dir)
+            executor = OpExecutor(
+                engine, writer, config.max_snapshots_per_model, state_root=config.state_dir
+            )
+            state.engines.add(
+                EngineLoop(
+                    EngineFacts.of(name, engine),
+                    executor,
+                    state.futures.finish,
+                    config.max_sample_batch,
+                    max_merge_tokens=config.max_merge_tokens,
+                    on_snapshot=self.recovery.snapshot_written,
+                    snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
+                )
+            )
+        self.recovery.load()
+        for engine in state.engines.all():
+            engine.start()
+            await self.recovery.restore_engine(engine)
+
+    async def stop(self) -> None:
+        for engine in self.state.engines.all():
+            await _drain(engine, self.config.drain_timeout_s)
+            engine.stop()
+
+
+async def _drain(engine: EngineLoop, timeout_s: float) -> None:
+    """Run what was acknowledged (up to timeout_s), then write every model's state."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while engine.busy() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    try:
+        await asyncio.wait_for(engine.snapshot_all(), timeout_s)
+    except Exception:
+        log.exception("final snapshots of %s failed", engine.name)
+
+
+class _ProcessEngines:
+    """Each model's engine in a worker process, connected through the hub."""
+
+    def __init__(self, config: ServerConfig, state: ServerState, recovery: Recovery):
+        self.config, self.state, self.recovery = config, state, recovery
+        token = config.worker_token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+        self.hub = WorkerHub(config.worker_address, token)
+        self.supervisor: Supervisor | None = None
+
+    async def start(self) -> None:
+        config, state = self.config, self.state
+        loop = asyncio.get_running_loop()
+        for name in config.models:
+            engine = RemoteEngine(
+                name,
+                self.hub,
+                state.futures.finish,
+                self.recovery.snapshot_written,
+                self.recovery.restore_engine,
+                loop,
+                config.engine_down_timeout_s,
+            )
+            self.hub.engines[name] = engine
+            state.engines.add(engine)
+        self.recovery.load()
+        self.hub.start()
+        log.info("workers connect to %s", self.hub.address)
+        if config.start_workers:
+            self.supervisor = Supervisor(config, self.hub.address, self.hub.token, self.hub.worker_exited)
+            self.supervisor.start()
+        while not all(e.ready for e in self.hub.engines.values()):  # every model restored
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self.supervisor is not None:  # the workers drain on SIGTERM, then exit
+            await asyncio.to_thread(self.supervisor.stop)
+        else:
+            for engine in self.hub.engines.values():
+                engine.stop()
+        self.hub.stop()
 
 
 def _announce_mode(keyring: KeyRing) -> None:
@@ -181,11 +252,6 @@ def _announce_mode(keyring: KeyRing) -> None:
         )
     else:
         log.info("tenants configured: every request needs an API key")
-
-
-def _expire_sessions_of_previous_run(store: Store) -> None:
-    with store.session.begin() as s:
-        s.execute(update(SessionRow).where(SessionRow.status == "active").values(status="expired"))
 
 
 async def _reap_idle_sessions(state: ServerState) -> None:

@@ -93,6 +93,25 @@ class ServerConfig(BaseModel):
     share one engine call up to this many tokens; the first always runs."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    engine_processes: bool = True
+    """Run each served model's engine in a worker process of its own, started, watched and
+    restarted by the server (false: on a thread of the API process)."""
+    start_workers: bool = True
+    """Start the workers (false: wait for `treadle worker --connect` processes)."""
+    worker_address: str = "tcp://127.0.0.1:0"
+    """Where workers connect (port 0: a free port on loopback, for the workers the server
+    starts itself). Workers on other machines need a reachable address and the token."""
+    worker_token: str | None = None
+    """The secret a worker must present (default: $TREADLE_WORKER_TOKEN, else random)."""
+    engine_down_timeout_s: float = 120.0
+    """Requests waiting for a model whose worker is gone this long fail (EngineDeadError)."""
+    snapshot_every_steps: int = 10
+    """A model's state (adapter, AdamW, accumulated gradients) is written every this many
+    optimizer steps, so that recovery replays at most that many."""
+    snapshot_every_s: float = 60.0
+    """... or this long after its first change since the last snapshot."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long acknowledged work may still run before the state is written."""
     quotas: Quotas = Quotas()
     """Every tenant's default quotas (unset: unlimited); see treadle.server.tenancy.quotas."""
     tenant_quotas: dict[str, Quotas] = {}
@@ -125,6 +144,11 @@ class ServerConfig(BaseModel):
     @property
     def artifacts_dir(self) -> Path:
         return Path(self.data_dir).resolve() / "artifacts"
+
+    @property
+    def state_dir(self) -> Path:
+        """Where engines write state snapshots (treadle.server.core.recovery)."""
+        return self.artifacts_dir / ".state"
 
 
 # Flags kept from before they were generated; the generated `--db-url` works too.
@@ -160,9 +184,19 @@ def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _scalar_type(annotation: Any) -> type | None:
+def _scalar_type(annotation: Any) -> Any:
     options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
     kinds = [a for a in options if a is not type(None)] or [annotation]
     if len(kinds) == 1 and kinds[0] in (str, int, float):
         return kinds[0]
+    if kinds == [bool]:
+        return _boolean
     return None
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

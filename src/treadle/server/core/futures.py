@@ -1,7 +1,8 @@
 """Futures: filing an op (once per (model, seq_id) or (sampler, seq_id)), and its outcome.
 
 One database write per request, one per result, both through the journal:
-- `file` commits the request row, then hands the op to its engine (never before: a write
+- `file` commits the request row with the op's payload (the op log that recovery replays:
+  treadle.server.core.recovery), then hands the op to its engine (never before: a write
   that fails queues nothing); a resubmitted key gets the original request_id back and
   queues nothing, whether memory still knows the key or only the database does;
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them, and
@@ -40,6 +41,7 @@ from treadle.server.core.limits import Admission
 from treadle.server.core.results import encode, error_json, error_of
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.messages import encode_payload
 from treadle.server.runtime.ops import Op, OpKind, Outcome, Payload, Result, Skip
 from treadle.server.storage.queries import (
     Finished,
@@ -116,6 +118,7 @@ class Futures:
                     await self._skip(engine, tenant, session_id, model_id, seq_id, e)
                 raise
         op = Op(new_id(), kind, payload, model_id, seq_id)
+        op.encoded = encode_payload(payload)  # the op log entry, and the worker's message body
         values = {
             "request_id": op.request_id,
             "kind": str(kind),
@@ -126,6 +129,7 @@ class Futures:
             "sampling_session_id": sampling_session_id,
             "seq_id": seq_id,
             "dedup_key": key,
+            "payload": op.encoded,
         }
         self.expect(op.request_id, kind, tenant.tenant_id)
         committed = self.journal.run(

@@ -68,6 +68,20 @@ class TrainingModels:
             )
         return row
 
+    def restore(self, row: ModelRow) -> None:
+        """A model of a previous run whose session is still active (its engine restores its
+        state: treadle.server.core.recovery)."""
+        self._rows[row.model_id] = row
+        engine = self.engines.get(row.base_model)
+        if engine is not None:
+            engine.add_model(row.model_id)
+
+    def rows_of(self, base_model: str) -> list[ModelRow]:
+        """The loaded models of one served base model."""
+        return [
+            r for r in self._rows.values() if r.base_model == base_model and r.status == "active"
+        ]
+
     def active_count(self, tenant_id: str) -> int:
         return sum(1 for m in self._rows.values() if m.tenant_id == tenant_id and m.status == "active")
 

@@ -75,6 +75,11 @@ class Sessions:
             "(saved checkpoints remain): create a new session"
         )
 
+    def restore(self, session_id: str, tenant_id: str) -> None:
+        """A session still active when the previous run stopped: its clock starts again."""
+        self._tenant[session_id] = tenant_id
+        self._last_seen[session_id] = time.monotonic()
+
     def is_active(self, session_id: str) -> bool:
         return session_id in self._last_seen
 

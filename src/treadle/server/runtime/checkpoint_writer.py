@@ -30,8 +30,8 @@ from treadle.server.runtime.ops import (
 )
 from treadle.server.storage import artifacts, encryption
 from treadle.server.storage.database import Store
-from treadle.server.storage.queries import insert_row
-from treadle.server.storage.rows import CheckpointRow, SamplingSessionRow, utcnow
+from treadle.server.storage.queries import insert_row, insert_sampler_once
+from treadle.server.storage.rows import CheckpointRow, utcnow
 
 
 class CheckpointWriter:
@@ -115,7 +115,7 @@ class CheckpointWriter:
             "engine_ref": snap,
             "tenant_id": p.tenant_id,
         }
-        self.journal.call(lambda conn: insert_row(conn, SamplingSessionRow, values))
+        self.journal.call(lambda conn: insert_sampler_once(conn, values))
         return SaveResult(
             None, "save_weights_for_sampler", found, sampling_session_id=p.sampling_session_id
         )

@@ -12,10 +12,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from treadle.server.runtime.ops import Op, Outcome
 
 OnOutcomes = Callable[[list[Outcome]], None]  # called from the engine's side; must not block
+OnSnapshot = Callable[[Any], None]  # a model's state was written (an executor.StateSnapshot)
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """When a model's state is written to disk, so that recovery replays little."""
+
+    every_steps: int = 10
+    """After this many optimizer steps (or loads) since the last snapshot."""
+    every_s: float = 60.0
+    """Or this long after the first change since the last snapshot."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,17 @@ class EngineFacts:
     max_seq_len: int  # the model's context
     max_lora_rank: int  # the largest rank any targeted layer can use
     arch: str | None = None  # the HF model_type, for get_info
+
+    @classmethod
+    def of(cls, name: str, engine: Any) -> EngineFacts:
+        """The facts of a loaded treadle.engine.Engine."""
+        return cls(
+            name=name,
+            vocab_size=int(engine.vocab_size),
+            max_seq_len=int(engine.max_seq_len),
+            max_lora_rank=int(engine.max_lora_rank),
+            arch=engine.arch,
+        )
 
 
 class EngineClient(ABC):
@@ -46,7 +69,7 @@ class EngineClient(ABC):
 
     # ---- training models and their seq_id order ----
     @abstractmethod
-    def add_model(self, model_id: str) -> None:
+    def add_model(self, model_id: str, next_seq: int = 0) -> None:
         """Open the seq_id queue of a new training model (its create op is seq 0)."""
 
     @abstractmethod
@@ -81,3 +104,20 @@ class EngineClient(ABC):
     @abstractmethod
     async def unload_model(self, model_id: str, reason: str) -> None:
         """Fail the model's queued ops with `reason`, then free its adapter and snapshots."""
+
+    # ---- durability ----
+    @abstractmethod
+    async def restore_model(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        """Load a model's last state snapshot (None: none yet) and its sampler snapshots;
+        its queue then expects `next_seq` (the replayed ops follow through `submit`)."""
+
+    @abstractmethod
+    async def snapshot_all(self) -> None:
+        """Write every changed model's state now (a clean shutdown)."""
+
+    def unfinished(self) -> list[Op]:
+        """Ops handed to this engine that it will still run after a restart of its own
+        (a worker process keeps them on the API side and sends them again)."""
+        return []

@@ -9,6 +9,11 @@ it: no timer.
 
 If the loop itself dies (an error outside any one op), every queued op fails with
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
+
+Durability: every `snapshot_every_steps` optimizer steps (or `snapshot_every_s` seconds
+after a change) a model's state is written at an idle moment (treadle.server.runtime.
+executor.snapshot_state) and announced with the seq_id it covers; recovery loads the last
+one and replays the ops after it (ops marked `replay`, whose outcomes nobody hears again).
 """
 
 from __future__ import annotations
@@ -23,9 +28,15 @@ from collections.abc import Callable
 from typing import Any
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
-from treadle.server.runtime.engine_client import EngineClient, EngineFacts, OnOutcomes
-from treadle.server.runtime.executor import Deferred, OpExecutor
-from treadle.server.runtime.ops import Op, OpKind, Outcome
+from treadle.server.runtime.engine_client import (
+    EngineClient,
+    EngineFacts,
+    OnOutcomes,
+    OnSnapshot,
+    SnapshotPolicy,
+)
+from treadle.server.runtime.executor import Deferred, OpExecutor, StateSnapshot
+from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome
 from treadle.server.runtime.scheduler import (
     DEFAULT_MAX_MERGE_TOKENS,
     ModelQueue,
@@ -49,10 +60,20 @@ class EngineLoop(EngineClient):
         on_outcomes: OnOutcomes,
         max_sample_batch: int = 64,
         max_merge_tokens: int = DEFAULT_MAX_MERGE_TOKENS,
+        on_snapshot: OnSnapshot | None = None,
+        snapshots: SnapshotPolicy | None = None,
+        report_replays: bool = False,
     ):
         self.facts = facts
         self.executor = executor
         self._on_outcomes = on_outcomes
+        self._on_snapshot = on_snapshot
+        self.policy = snapshots or SnapshotPolicy()
+        # request ids whose outcomes nobody hears again (a worker reports them all: the API
+        # side of it keeps the books)
+        self._replay: set[str] = set()
+        self.report_replays = report_replays
+        self._changed: dict[str, tuple[int, float]] = {}  # model → (state ops, first at)
         self.max_sample_batch = max_sample_batch
         self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
@@ -91,13 +112,15 @@ class EngineLoop(EngineClient):
                     f"(next expected: {queue.next_seq})"
                 )
 
-    def add_model(self, model_id: str) -> None:
+    def add_model(self, model_id: str, next_seq: int = 0) -> None:
         with self._cond:
-            self.queues.setdefault(model_id, ModelQueue())
+            self.queues.setdefault(model_id, ModelQueue(next_seq=next_seq))
 
     def submit(self, op: Op) -> None:
         refused: Outcome | None = None
         with self._cond:
+            if op.replay and not self.report_replays:
+                self._replay.add(op.request_id)
             if self._dead is not None:
                 refused = Outcome.failed(op.request_id, self._dead)
             elif op.kind == OpKind.SAMPLE:
@@ -116,18 +139,54 @@ class EngineLoop(EngineClient):
         return self.executor.is_live(ref)
 
     async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        await self._call(lambda: self.executor.load_sampler(ref, checkpoint_type, directory))
+        await self._control("load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory)
 
     async def drop_ref(self, ref: str) -> None:
-        await self._call(lambda: self.executor.drop_ref(ref))
+        await self._control("drop_ref", ref=ref)
 
     async def check_adapter(self, directory: str) -> None:
-        await self._call(lambda: self.executor.check_adapter(directory))
+        await self._control("check_adapter", directory=directory)
 
     async def unload_model(self, model_id: str, reason: str) -> None:
-        await self._call(lambda: self._unload(model_id, reason))
+        await self._control("unload_model", model_id=model_id, reason=reason)
+
+    async def restore_model(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        await self._control(
+            "restore_model",
+            model_id=model_id,
+            state_dir=state_dir,
+            samplers=samplers,
+            next_seq=next_seq,
+        )
+
+    async def snapshot_all(self) -> None:
+        await self._control("snapshot_all")
 
     # ---- control calls: run on the engine thread before the next round ----
+    def control(self, name: str, **args: Any) -> concurrent.futures.Future:
+        """Run the named control call on the engine thread (what a worker's CALL names)."""
+        calls: dict[str, Callable[..., Any]] = {
+            "add_model": self.add_model,
+            "load_sampler": self.executor.load_sampler,
+            "drop_ref": self.executor.drop_ref,
+            "check_adapter": self.executor.check_adapter,
+            "unload_model": self._unload,
+            "restore_model": self._restore,
+            "snapshot_all": self._snapshot_all,
+            "reset": self._reset,
+        }
+        fn = calls.get(name)
+        if fn is None:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_exception(InvalidRequestError(f"unknown control call {name!r}"))
+            return fut
+        return self.call(lambda: fn(**args))
+
+    async def _control(self, name: str, **args: Any) -> Any:
+        return await asyncio.wrap_future(self.control(name, **args))
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
@@ -138,8 +197,39 @@ class EngineLoop(EngineClient):
             self._cond.notify()
         return fut
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.call(fn))
+    def _restore(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        self.executor.restore_model(model_id, state_dir, samplers)
+        with self._cond:
+            self.queues[model_id] = ModelQueue(next_seq=next_seq)
+
+    def busy(self) -> bool:
+        """Whether anything is queued or deferred (a draining worker waits for False)."""
+        with self._cond:
+            return bool(self.samples or self.deferred or self._calls) or any(
+                q.pending for q in self.queues.values()
+            )
+
+    def _reset(self) -> None:
+        """Forget every model and sampler (a new API took over: it restores what it knows)."""
+        with self._cond:
+            models = list(self.queues)
+            self.queues, self.samples = {}, []
+            self.deferred.clear()
+            self._replay.clear()
+            self._changed.clear()
+        for model_id in models:
+            self.executor.drop_model(model_id)
+        self.executor.drop_all_refs()
+
+    def _snapshot_all(self) -> None:
+        """Every changed model's state now (at shutdown), after the writes already deferred."""
+        for job in list(self.deferred):
+            self.deferred.remove(job)
+            self._finish([self._run_deferred(job)])
+        for model_id in list(self._changed):
+            self._snapshot(model_id)
 
     def _unload(self, model_id: str, reason: str) -> None:
         """Engine thread: fail the model's queued ops, finish its durable writes, free it."""
@@ -151,6 +241,7 @@ class EngineLoop(EngineClient):
             self._finish([self._run_deferred(job)])
         dropped = list(queue.pending.values()) if queue else []
         self._finish([Outcome.failed(op.request_id, NotFoundError(reason)) for op in dropped])
+        self._changed.pop(model_id, None)
         self.executor.drop_model(model_id)
 
     # ---- the engine thread ----
@@ -193,7 +284,7 @@ class EngineLoop(EngineClient):
         with self._cond:
             self._dead = dead
             ops = [*self.samples, *(op for q in self.queues.values() for op in q.pending.values())]
-            ops += [job.op for job in self.deferred]
+            ops += [job.op for job in self.deferred if job.op is not None]
             calls = list(self._calls)
             self.samples, self.queues, self._calls = [], {}, deque()
             self.deferred.clear()
@@ -229,23 +320,62 @@ class EngineLoop(EngineClient):
                     queue = self.queues[op.model_id]
                     queue.pending.pop(op.seq_id, None)
                     queue.next_seq = op.seq_id + 1
+        for op in step.ops:
+            if op.kind in STATE_KINDS:
+                self._note_change(op)
         self._finish(ready)
+
+    # ---- state snapshots ----
+    def _note_change(self, op: Op) -> None:
+        """Count a model's state changes; when a snapshot is due, defer one."""
+        if self._on_snapshot is None or self.executor.state_root is None:
+            return
+        count, since = self._changed.get(op.model_id, (0, time.monotonic()))
+        count += op.kind == OpKind.OPTIM_STEP or op.kind == OpKind.LOAD
+        self._changed[op.model_id] = (count, since)
+        due = count >= self.policy.every_steps or time.monotonic() - since > self.policy.every_s
+        # a load from a temporary copy cannot be replayed: its state is written at once
+        if due or (op.kind == OpKind.LOAD and op.payload.cleanup):
+            if not any(j.op is None and j.model_id == op.model_id for j in self.deferred):
+                model = op.model_id
+                self.deferred.append(Deferred(None, lambda: self._snapshot(model), model_id=model))
+
+    def _snapshot(self, model_id: str) -> None:
+        """Engine thread: write the model's state as it is now, with the seq_id it covers."""
+        with self._cond:
+            queue = self.queues.get(model_id)
+            seq_id = queue.next_seq - 1 if queue is not None else -1
+        if seq_id < 0:
+            return
+        self._changed.pop(model_id, None)
+        snap: StateSnapshot = self.executor.snapshot_state(model_id, seq_id)
+        self._on_snapshot(snap)
 
     def _maybe_run_deferred(self, idle: bool) -> None:
         now = time.monotonic()
         while self.deferred and (idle or now - self.deferred[0].created_at > DEFERRED_MAX_WAIT_S):
-            self._finish([self._run_deferred(self.deferred.popleft())])
+            self._finish([self._run_deferred(self.deferred.popleft())])  # type: ignore[list-item]
             if not idle:
                 break
 
-    def _run_deferred(self, job: Deferred) -> Outcome:
+    def _run_deferred(self, job: Deferred) -> Outcome | None:
         try:
             return job.run()
         except Exception as e:
+            if job.op is None:
+                log.exception("background write for %s failed", job.model_id)
+                return None
             log.exception("deferred write for %s failed", job.op.request_id)
             return Outcome.failed(job.op.request_id, e)
 
-    def _finish(self, outcomes: list[Outcome]) -> None:
+    def _finish(self, outcomes: list[Outcome | None]) -> None:
+        if self._replay:
+            heard = [o for o in outcomes if o is not None and o.request_id not in self._replay]
+            for o in outcomes:
+                if o is not None:
+                    self._replay.discard(o.request_id)
+            outcomes = heard
+        outcomes = [o for o in outcomes if o is not None]
         if outcomes:
             try:
                 self._on_outcomes(outcomes)

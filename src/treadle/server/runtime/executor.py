@@ -15,10 +15,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from treadle.engine.types import SampleResult, TrainBatch
-from treadle.errors import InvalidRequestError, TreadleError
+from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.ops import (
     CreateAdapter,
@@ -31,6 +32,7 @@ from treadle.server.runtime.ops import (
     OptimStep,
     Outcome,
     Sample,
+    SaveResult,
     SaveSampler,
     SaveState,
     Skip,
@@ -44,19 +46,42 @@ log = logging.getLogger("treadle.executor")
 
 @dataclass
 class Deferred:
-    """A durable write to do on the engine thread at an idle moment, then finish the op."""
+    """A durable write to do on the engine thread at an idle moment, then finish the op (or,
+    for a background write such as a state snapshot, `op` None, nothing to finish)."""
 
-    op: Op
-    run: Callable[[], Outcome]
+    op: Op | None
+    run: Callable[[], Outcome | None]
     created_at: float = field(default_factory=time.monotonic)
+    model_id: str | None = None
+
+
+@dataclass
+class StateSnapshot:
+    """A model's state on disk after op `seq_id`, and the sampler snapshots of it then in
+    memory (engine id → folder): what recovery loads before replaying later ops."""
+
+    model_id: str
+    seq_id: int
+    dir: str
+    samplers: dict[str, str] = field(default_factory=dict)
 
 
 class OpExecutor:
-    def __init__(self, engine: Any, writer: CheckpointWriter, max_snapshots: int = 8):
+    def __init__(
+        self,
+        engine: Any,
+        writer: CheckpointWriter,
+        max_snapshots: int = 8,
+        state_root: Path | None = None,
+        on_refs: Callable[[list[str], list[str]], None] | None = None,
+    ):
         self.engine = engine
+        self._on_refs = on_refs  # (added, dropped) sampler refs, for a remote API's mirror
         self.writer = writer
         self.max_snapshots = max_snapshots
+        self.state_root = state_root  # where state snapshots go (None: never written)
         self.snapshots: dict[str, deque[str]] = {}  # model_id → its live snapshots, oldest first
+        self._persisted: dict[str, str] = {}  # sampler snapshot → its folder on disk
         self._live: set[str] = set()  # engine ids a sampling session may use
         self._live_lock = threading.Lock()
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {
@@ -147,14 +172,18 @@ class OpExecutor:
         model's next ops need not wait for the disk."""
         assert isinstance(op.payload, SaveSampler)
         write = self.writer.save_sampler(op.request_id, op.model_id, op.payload)
-        return Deferred(op, lambda: Outcome.ok(op.request_id, write()))
+        return Deferred(op, lambda: Outcome.ok(op.request_id, write()), model_id=op.model_id)
 
     def _snapshot(self, op: Op) -> Outcome:
         """save_weights_for_sampler without a name: a sampler served from memory at once."""
         p = op.payload
         assert isinstance(p, Snapshot)
         snap = f"snap:{p.sampling_session_id}"
-        result = self.writer.snapshot(op.model_id, snap, p)
+        if op.replay:  # recovery: only the weights in memory, recorded once already
+            self.engine.snapshot(op.model_id, snap)
+            result = SaveResult(None, "save_weights_for_sampler")
+        else:
+            result = self.writer.snapshot(op.model_id, snap, p)
         self._add_live(snap)
         kept = self.snapshots.setdefault(op.model_id, deque())
         kept.append(snap)
@@ -170,6 +199,8 @@ class OpExecutor:
     def _add_live(self, ref: str) -> None:
         with self._live_lock:
             self._live.add(ref)
+        if self._on_refs is not None:
+            self._on_refs([ref], [])
 
     def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
         """A sampler from a saved checkpoint: loaded as an adapter of its own."""
@@ -192,11 +223,51 @@ class OpExecutor:
             ) from e
         self.engine.drop_adapter(probe)
 
+    # ---- durability: state snapshots and restoring from them ----
+    def snapshot_state(self, model_id: str, seq_id: int) -> StateSnapshot:
+        """Write the model's state (adapter, AdamW, step, accumulated gradients) and its
+        sampler snapshots not yet on disk; the folder is new, complete before it is named."""
+        assert self.state_root is not None
+        root = self.state_root / _safe(model_id)
+        final = root / f"state-{seq_id}-{uuid.uuid4().hex[:8]}"
+        tmp = root / f".tmp-{final.name}"
+        tmp.mkdir(parents=True)
+        self.engine.save_snapshot(model_id, tmp)
+        tmp.rename(final)
+        samplers = {}
+        for ref in self.snapshots.get(model_id, ()):
+            if ref not in self._persisted:
+                folder = root / "samplers" / _safe(ref)
+                shutil.rmtree(folder, ignore_errors=True)
+                self.engine.save_adapter(ref, folder)
+                self._persisted[ref] = str(folder)
+            samplers[ref] = self._persisted[ref]
+        return StateSnapshot(model_id, seq_id, str(final), samplers)
+
+    def restore_model(self, model_id: str, state_dir: str | None, samplers: dict[str, str]) -> None:
+        """A model as its last snapshot left it (or nothing yet: its create op replays),
+        with the sampler snapshots it had then."""
+        if state_dir is not None:
+            self.engine.load_snapshot(model_id, state_dir)
+        kept = self.snapshots.setdefault(model_id, deque())
+        for ref, folder in samplers.items():
+            if ref in kept:
+                continue
+            self.engine.load_frozen(ref, folder)
+            self._persisted[ref] = folder
+            self._add_live(ref)
+            kept.append(ref)
+
     def drop_ref(self, ref: str) -> None:
         with self._live_lock:
             if ref not in self._live:
                 return
             self._live.discard(ref)
+        if self._on_refs is not None:
+            self._on_refs([], [ref])
+        folder = self._persisted.pop(ref, None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         try:
             if ref.startswith("snap:"):
                 self.engine.drop_snapshot(ref)
@@ -205,13 +276,27 @@ class OpExecutor:
         except Exception:
             log.exception("could not free %s", ref)
 
+    def drop_all_refs(self) -> None:
+        with self._live_lock:
+            refs = list(self._live)
+        for ref in refs:
+            self.drop_ref(ref)
+        self.snapshots.clear()
+
     def drop_model(self, model_id: str) -> None:
         for snap in self.snapshots.pop(model_id, deque()):
             self.drop_ref(snap)
         try:
             self.engine.drop_adapter(model_id)
+        except NotFoundError:
+            pass  # never created (its create op had not run)
         except Exception:
             log.exception("could not drop adapter %s", model_id)
+
+
+def _safe(name: str) -> str:
+    """An engine id as one folder name (ids hold ':')."""
+    return name.replace("/", "_").replace(":", "_")
 
 
 def _failure(op: Op, exc: BaseException) -> Outcome:

@@ -53,6 +53,9 @@ class OpKind(enum.StrEnum):
 
 
 TRAIN_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+# The kinds that change a model's state (adapter, optimizer, step, accumulated gradients):
+# what recovery replays after the last snapshot. Saves, forwards and skips change nothing.
+STATE_KINDS = frozenset({OpKind.CREATE, OpKind.LOAD, OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP})
 # The kinds whose results carry token usage (treadle.server.tenancy.metering).
 METERED_KINDS = frozenset({*TRAIN_KINDS, OpKind.SAMPLE})
 
@@ -196,7 +199,12 @@ class Op:
     payload: Payload
     model_id: str | None = None
     seq_id: int | None = None
+    # Re-run during recovery to rebuild a model's state: its outcome was already recorded
+    # (or is being recorded), so nobody hears of it again.
+    replay: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
+    # The payload as the op log stores it and as a worker receives it (encoded once)
+    encoded: bytes | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         expected = PAYLOAD_OF_KIND[self.kind]

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import create_engine, event, func, inspect, select, text, update
 from sqlalchemy.orm import sessionmaker
 
-from treadle.server.storage.rows import DEFAULT_TENANT_ID, TENANT_TABLES, Base, RequestRow, utcnow
+from treadle.server.storage.rows import DEFAULT_TENANT_ID, TENANT_TABLES, Base
 
 
 class Store:
@@ -59,19 +59,6 @@ class Store:
         with self.session() as s:
             return int(s.scalar(select(func.count()).select_from(stmt.subquery())))
 
-    def fail_unfinished(self, message: str) -> int:
-        """At startup: futures left pending by a previous process can never complete."""
-        with self.session.begin() as s:
-            result = s.execute(
-                update(RequestRow)
-                .where(RequestRow.status == "pending")
-                .values(
-                    status="failed",
-                    error={"error": message, "category": "server"},
-                    finished_at=utcnow(),
-                )
-            )
-            return int(result.rowcount or 0)
 
 
 def _add_missing_columns(engine: Any) -> None:
@@ -79,6 +66,7 @@ def _add_missing_columns(engine: Any) -> None:
     added = {
         **{(t, "tenant_id"): f"VARCHAR(64) DEFAULT '{DEFAULT_TENANT_ID}'" for t in TENANT_TABLES},
         ("requests", "base_model"): "VARCHAR(256)",
+        ("requests", "payload"): "BLOB",
     }
     have = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in TENANT_TABLES}
     with engine.begin() as conn:

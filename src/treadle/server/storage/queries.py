@@ -16,6 +16,7 @@ from treadle.server.storage.rows import (
     RequestRow,
     SamplingSessionRow,
     SessionRow,
+    StateSnapshotRow,
     utcnow,
 )
 
@@ -94,6 +95,14 @@ def sampling_session_id_of(conn: Connection, key: tuple[str, int]) -> str | None
     return conn.execute(stmt).scalar_one_or_none()
 
 
+def insert_sampler_once(conn: Connection, values: dict[str, Any]) -> None:
+    """A sampling session row, unless it exists (a snapshot op replayed after a restart)."""
+    table = SamplingSessionRow.__table__
+    key = table.c.sampling_session_id == values["sampling_session_id"]
+    if conn.execute(select(table.c.sampling_session_id).where(key)).first() is None:
+        insert_row(conn, SamplingSessionRow, values)
+
+
 def mark_session_ended(conn: Connection, session_id: str, status: str) -> tuple[list, list]:
     """Mark a session and its models ended; → its (model_id, base_model) and its
     (sampling_session_id, base_model, engine_ref)."""
@@ -155,3 +164,59 @@ def session_detail(
         select(samplers.c.sampling_session_id).where(samplers.c.session_id == session_id)
     ).scalars()
     return dict(found._mapping), list(model_ids), list(sampler_ids)
+
+
+# ---- recovery: the op log and state snapshots ----
+def model_ops_after(conn: Connection, model_id: str, seq_id: int) -> list[dict[str, Any]]:
+    """A model's filed ops after seq_id, in seq_id order: (request_id, kind, seq_id, status,
+    tenant_id, payload)."""
+    r = REQUESTS
+    stmt = (
+        select(r.c.request_id, r.c.kind, r.c.seq_id, r.c.status, r.c.tenant_id, r.c.payload)
+        .where((r.c.model_id == model_id) & (r.c.seq_id > seq_id) & (r.c.kind != "unload"))
+        .order_by(r.c.seq_id)
+    )
+    return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+def pending_samples(conn: Connection, base_model: str) -> list[dict[str, Any]]:
+    """Sample requests filed for a served model and not finished."""
+    r = REQUESTS
+    stmt = select(r.c.request_id, r.c.tenant_id, r.c.payload).where(
+        (r.c.kind == "sample") & (r.c.status == "pending") & (r.c.base_model == base_model)
+    )
+    return [dict(row._mapping) for row in conn.execute(stmt)]
+
+
+def pending_requests(conn: Connection) -> list[dict[str, Any]]:
+    """Every unfinished request: (request_id, kind, tenant_id, payload is null)."""
+    r = REQUESTS
+    stmt = select(r.c.request_id, r.c.kind, r.c.tenant_id, r.c.payload.is_(None)).where(
+        r.c.status == "pending"
+    )
+    return [
+        {"request_id": a, "kind": b, "tenant_id": c, "no_payload": bool(d)}
+        for a, b, c, d in conn.execute(stmt)
+    ]
+
+
+def record_snapshot(
+    conn: Connection, model_id: str, seq_id: int, folder: str, samplers: dict[str, str]
+) -> str | None:
+    """The model's new state snapshot (kept only if newer); → the folder it replaces."""
+    t = StateSnapshotRow.__table__
+    old = conn.execute(select(t.c.seq_id, t.c.dir).where(t.c.model_id == model_id)).first()
+    if old is not None and old.seq_id > seq_id:
+        return folder  # an older snapshot arrived late: it is the one to delete
+    values = {"seq_id": seq_id, "dir": folder, "samplers": samplers, "created_at": utcnow()}
+    if old is None:
+        conn.execute(insert(t), {"model_id": model_id, **values})
+    else:
+        conn.execute(update(t).where(t.c.model_id == model_id).values(values))
+    r = REQUESTS
+    conn.execute(
+        update(r)
+        .where((r.c.model_id == model_id) & (r.c.seq_id <= seq_id) & (r.c.status != "pending"))
+        .values(payload=None)
+    )
+    return old.dir if old is not None else None

@@ -14,6 +14,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Float,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -69,6 +70,7 @@ class RequestRow(Base):
     """One future: what was asked, and its result (JSON or protobuf bytes) or error."""
 
     __tablename__ = "requests"
+    __table_args__ = (Index("ix_requests_model_seq", "model_id", "seq_id"),)
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
     tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
@@ -80,6 +82,10 @@ class RequestRow(Base):
     seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # "<model_id>#<seq_id>" or "<sampling_session_id>#<seq_id>": a resubmission finds its row.
     dedup_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
+    # The op log: the op's payload (treadle.server.runtime.messages), written with the row,
+    # before the client hears of it; recovery replays it. Cleared once a state snapshot of
+    # its model covers it.
+    payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|done|failed
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -90,6 +96,18 @@ class RequestRow(Base):
     train_tokens: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class StateSnapshotRow(Base):
+    """A training model's last state on disk (adapter, AdamW, step, accumulated gradients)
+    after op `seq_id`, and its sampler snapshots then (engine id → folder)."""
+
+    __tablename__ = "state_snapshots"
+    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(Integer)
+    dir: Mapped[str] = mapped_column(String(1024))
+    samplers: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class SamplingSessionRow(Base):

@@ -1,0 +1,208 @@
+"""Recovery: nothing a client was told succeeded is lost when a process dies.
+
+What survives a crash is in the database: sessions, models, samplers, every request with
+its payload (the op log, written before the client hears of the request), and each model's
+last state snapshot (adapter, AdamW state, step and accumulated gradients after a known
+seq_id, written by its engine every few optimizer steps). An engine that starts (the
+server's first start, a restart on the same data dir, or a worker process that came back)
+gets each of its live models as its last snapshot left it, then the model's later ops in
+seq_id order:
+- finished ops that changed the state (create, load, forward_backward, optim_step) are
+  replayed silently (their outcome was recorded once; nobody hears of it again),
+- other finished ops (saves, forwards, refusals) only advance the order,
+- unfinished ops run again for real (they were acknowledged) and their outcomes are
+  recorded as usual; so do unfinished samples.
+Sampling sessions of saved checkpoints are loaded again; those of snapshots come back with
+their model's snapshot or with the replay of the op that made them.
+
+Cost: one payload column written with each request row (the same bytes the engine is
+sent), and a state snapshot per model every `snapshot_every_steps` optimizer steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from treadle.errors import ErrorInfo, TreadleError
+from treadle.server.core.state import ServerState
+from treadle.server.runtime.engine_client import EngineClient
+from treadle.server.runtime.executor import StateSnapshot
+from treadle.server.runtime.messages import decode_payload
+from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Skip
+from treadle.server.storage import queries
+from treadle.server.storage.rows import (
+    CheckpointRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    StateSnapshotRow,
+)
+
+log = logging.getLogger("treadle.recovery")
+
+_DONE_SKIP = Skip(ErrorInfo("TreadleError", "replayed: finished before the restart", "server"))
+
+
+class Recovery:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    # ---- at start-up: what this process must know again ----
+    def load(self) -> None:
+        """Sessions, models and pending futures of a previous run, back in memory."""
+        store, state = self.state.store, self.state
+        with store.session() as s:
+            sessions = list(s.scalars(select(SessionRow).where(SessionRow.status == "active")))
+            active = {row.session_id for row in sessions}
+            models = [
+                m
+                for m in s.scalars(select(ModelRow).where(ModelRow.status == "active"))
+                if m.session_id in active and m.base_model in state.engines
+            ]
+        for row in sessions:
+            state.sessions.restore(row.session_id, row.tenant_id)
+        for row in models:
+            state.models.restore(row)
+        with store.engine.connect() as conn:
+            pending = queries.pending_requests(conn)
+        lost = []
+        for row in pending:
+            if row["no_payload"]:  # nothing to run it again from
+                lost.append(row["request_id"])
+            else:
+                state.futures.expect(row["request_id"], OpKind(row["kind"]), row["tenant_id"])
+        if lost:
+            error = TreadleError("the server restarted before this request ran; send it again")
+            state.futures.finish([Outcome.failed(rid, error) for rid in lost])
+        if sessions or pending:
+            log.info(
+                "recovered %d sessions, %d models, %d unfinished requests",
+                len(sessions),
+                len(models),
+                len(pending) - len(lost),
+            )
+
+    # ---- an engine (re)starts: its models, samplers and unfinished work ----
+    async def restore_engine(self, engine: EngineClient) -> None:
+        t0 = time.monotonic()
+        # everything already handed to the journal is on disk before we read the log
+        await self.state.journal.run(lambda conn: None)
+        in_flight = {op.request_id for op in _unfinished(engine)}
+        models = self.state.models.rows_of(engine.name)
+        for row in models:
+            try:
+                await self._restore_model(engine, row, in_flight)
+            except Exception as e:  # one model that cannot come back must not keep the rest
+                log.exception("could not restore model %s", row.model_id)
+                await self._give_up(engine, row, e)
+        await self._restore_samplers(engine)
+        with self.state.store.engine.connect() as conn:
+            samples = queries.pending_samples(conn, engine.name)
+        for row in samples:
+            if row["request_id"] not in in_flight and row["payload"] is not None:
+                payload = decode_payload(OpKind.SAMPLE, row["payload"])
+                engine.submit(Op(row["request_id"], OpKind.SAMPLE, payload))
+        if models or samples:
+            log.info(
+                "engine %s: %d models and %d samples restored in %.2f s",
+                engine.name,
+                len(models),
+                len(samples),
+                time.monotonic() - t0,
+            )
+
+    async def _restore_model(self, engine: EngineClient, row: ModelRow, in_flight: set) -> None:
+        snap = await asyncio.to_thread(self.state.store.get, StateSnapshotRow, row.model_id)
+        after = snap.seq_id if snap is not None else -1
+        await engine.restore_model(
+            row.model_id,
+            snap.dir if snap is not None else None,
+            dict(snap.samplers or {}) if snap is not None else {},
+            after + 1,
+        )
+        with self.state.store.engine.connect() as conn:
+            log_rows = queries.model_ops_after(conn, row.model_id, after)
+        for r in log_rows:
+            if r["request_id"] in in_flight:
+                continue  # sent before the worker went away: the engine sends it again
+            kind, seq = OpKind(r["kind"]), r["seq_id"]
+            if r["status"] == "pending":
+                payload = decode_payload(kind, r["payload"])
+                engine.submit(Op(r["request_id"], kind, payload, row.model_id, seq))
+            elif r["status"] == "done" and _replays(kind) and r["payload"] is not None:
+                payload = decode_payload(kind, r["payload"])
+                engine.submit(Op(r["request_id"], kind, payload, row.model_id, seq, replay=True))
+            else:
+                engine.submit(Op(r["request_id"], OpKind.SKIP, _DONE_SKIP, row.model_id, seq, replay=True))
+
+    async def _restore_samplers(self, engine: EngineClient) -> None:
+        """Sampling sessions of saved checkpoints: their weights loaded again."""
+        state = self.state
+        with state.store.session() as s:
+            rows = list(
+                s.scalars(
+                    select(SamplingSessionRow).where(
+                        (SamplingSessionRow.base_model == engine.name)
+                        & SamplingSessionRow.engine_ref.like("sampler:%")
+                    )
+                )
+            )
+        for row in rows:
+            if not state.sessions.is_active(row.session_id) or row.model_path is None:
+                continue
+            ckpt = state.store.get(CheckpointRow, row.model_path)
+            if ckpt is None or not Path(ckpt.dir).is_dir():
+                continue  # a version fetched from S3 or decrypted: its folder is gone
+            try:
+                await engine.load_sampler(row.engine_ref, ckpt.checkpoint_type, ckpt.dir)
+            except Exception:
+                log.warning("could not load sampler %s again", row.sampling_session_id)
+
+    async def _give_up(self, engine: EngineClient, row: ModelRow, error: Exception) -> None:
+        reason = (
+            f"model {row.model_id!r} could not be restored after a restart "
+            f"({type(error).__name__}: {error}); create a training client from its last "
+            "checkpoint"
+        )
+        with self.state.store.engine.connect() as conn:
+            rows = queries.model_ops_after(conn, row.model_id, -1)
+        failed = [r["request_id"] for r in rows if r["status"] == "pending"]
+        self.state.futures.finish([Outcome.failed(rid, TreadleError(reason)) for rid in failed])
+        await self.state.models.on_session_ended([(row.model_id, row.base_model)], reason)
+
+    # ---- a state snapshot was written ----
+    def snapshot_written(self, snap: StateSnapshot) -> None:
+        """Any thread: record it (the op log before it can go), then delete the old one."""
+        write = functools.partial(
+            queries.record_snapshot,
+            model_id=snap.model_id,
+            seq_id=snap.seq_id,
+            folder=snap.dir,
+            samplers=snap.samplers,
+        )
+
+        def done(old: Any, error: BaseException | None) -> None:
+            if error is not None:
+                log.error("could not record the snapshot of %s", snap.model_id, exc_info=error)
+            elif old:
+                shutil.rmtree(old, ignore_errors=True)
+
+        self.state.journal.submit(write, done)
+
+
+def _replays(kind: OpKind) -> bool:
+    # a snapshot op recreates its sampler weights (in memory only, when replayed)
+    return kind in STATE_KINDS or kind == OpKind.SNAPSHOT
+
+
+def _unfinished(engine: EngineClient) -> list[Op]:
+    return engine.unfinished()
+

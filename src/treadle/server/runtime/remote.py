@@ -1,0 +1,398 @@
+"""Engines in worker processes, seen from the API: the hub they connect to, and one
+RemoteEngine (an EngineClient) per served model.
+
+A worker (treadle.worker) connects its DEALER socket to the hub's ROUTER and says HELLO
+(its model, its facts, the hub's token); the hub answers WELCOME and hands it to the
+RemoteEngine of its model. The RemoteEngine keeps, on the API side, what it must answer
+without asking the worker: the seq_ids each model has used, the sampler weights the worker
+holds, and every op sent but not finished. When its worker goes silent (no heartbeat for
+`dead_after_s`) or its process exits, the engine is down: ops wait in the outbox, and when
+a worker of the model is back, `on_ready` restores the models (treadle.server.core.
+recovery), then the unfinished ops are sent again, in their order. A future never hangs:
+if no worker returns within `give_up_after_s`, the engine's unfinished ops fail with
+EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from treadle.server.runtime import messages
+from treadle.server.runtime.channel import TICK_S, Channel
+from treadle.server.runtime.engine_client import EngineClient, EngineFacts, OnOutcomes, OnSnapshot
+from treadle.server.runtime.executor import StateSnapshot
+from treadle.server.runtime.messages import Kind
+from treadle.server.runtime.ops import Op, OpKind, Outcome
+
+log = logging.getLogger("treadle.remote")
+
+DEAD_AFTER_S = 3.0
+TOKEN_ENV = "TREADLE_WORKER_TOKEN"  # the hub's secret, for workers started elsewhere
+
+
+@dataclass
+class _Seqs:
+    """A model's seq_ids as the worker's queue has them: all below `ran_below` ran."""
+
+    ran_below: int = 0
+    pending: set[int] = field(default_factory=set)
+
+
+class RemoteEngine(EngineClient):
+    def __init__(
+        self,
+        name: str,
+        hub: WorkerHub,
+        on_outcomes: OnOutcomes,
+        on_snapshot: OnSnapshot,
+        on_ready: Callable[[RemoteEngine], Awaitable[None]],
+        loop: asyncio.AbstractEventLoop,
+        give_up_after_s: float = 120.0,
+    ):
+        self.facts = EngineFacts(name, vocab_size=0, max_seq_len=0, max_lora_rank=0)
+        self.hub = hub
+        self._on_outcomes = on_outcomes
+        self._on_snapshot = on_snapshot
+        self._on_ready = on_ready
+        self._loop = loop
+        self.give_up_after_s = give_up_after_s
+        self._lock = threading.Lock()
+        self._identity: bytes | None = None
+        self._ready = False  # a worker is connected and its models are restored
+        self._down_since: float | None = time.monotonic()
+        self._seqs: dict[str, _Seqs] = {}
+        self._live: set[str] = set()
+        self._sent: dict[str, Op] = {}  # every op handed to this engine and not finished
+        self._outbox: list[Op] = []  # ops waiting for a worker
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self.first_hello = asyncio.Event()
+        self.worker: messages.Hello | None = None
+
+    # ---- EngineClient ----
+    def start(self) -> None:  # the hub and the supervisor start the worker side
+        pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            identity = self._identity
+        if identity is not None:
+            self.hub.send(identity, Kind.SHUTDOWN, b"")
+
+    def add_model(self, model_id: str, next_seq: int = 0) -> None:
+        with self._lock:
+            self._seqs.setdefault(model_id, _Seqs(ran_below=next_seq))
+        self._control_nowait("add_model", model_id=model_id, next_seq=next_seq)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._lock:
+            return model_id in self._seqs
+
+    def check_seq(self, model_id: str, seq_id: int) -> None:
+        with self._lock:
+            seqs = self._seqs.get(model_id)
+            if seqs is None:
+                raise NotFoundError(f"model_id {model_id!r} is not loaded on this server")
+            if seq_id < seqs.ran_below or seq_id in seqs.pending:
+                raise InvalidRequestError(
+                    f"seq_id: {seq_id} was already used for model {model_id!r} "
+                    f"(next expected: {seqs.ran_below})"
+                )
+
+    def submit(self, op: Op) -> None:
+        with self._lock:
+            if op.kind != OpKind.SAMPLE:
+                seqs = self._seqs.get(op.model_id)
+                if seqs is None and not op.replay:
+                    refused = NotFoundError(f"model {op.model_id!r} was unloaded")
+                    self._outcomes_later([Outcome.failed(op.request_id, refused)])
+                    return
+                if seqs is not None:
+                    seqs.pending.add(op.seq_id)
+            self._sent[op.request_id] = op
+            if not self._ready and not op.replay:
+                self._outbox.append(op)
+                return
+            identity = self._identity
+        self._send_op(identity, op)
+
+    def is_live(self, ref: str) -> bool:
+        with self._lock:
+            return ref in self._live
+
+    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
+        await self._control("load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory)
+
+    async def drop_ref(self, ref: str) -> None:
+        await self._control("drop_ref", ref=ref)
+
+    async def check_adapter(self, directory: str) -> None:
+        await self._control("check_adapter", directory=directory)
+
+    async def unload_model(self, model_id: str, reason: str) -> None:
+        with self._lock:
+            self._seqs.pop(model_id, None)
+        await self._control("unload_model", model_id=model_id, reason=reason)
+
+    async def restore_model(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        with self._lock:
+            seqs = self._seqs.setdefault(model_id, _Seqs())
+            seqs.ran_below = max(seqs.ran_below, next_seq)
+        await self._control(
+            "restore_model",
+            model_id=model_id,
+            state_dir=state_dir,
+            samplers=samplers,
+            next_seq=next_seq,
+        )
+
+    async def snapshot_all(self) -> None:
+        await self._control("snapshot_all")
+
+    # ---- facts for the hub and recovery ----
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def unfinished(self) -> list[Op]:
+        """Ops handed to this engine whose outcome has not come back (oldest first)."""
+        with self._lock:
+            return list(self._sent.values())
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return list(self._seqs)
+
+    # ---- the worker's side of things (the hub's IO thread) ----
+    def connected(self, identity: bytes, hello: messages.Hello) -> None:
+        """A worker of this model said HELLO: restore (on the event loop), then resend."""
+        with self._lock:
+            self._identity = identity
+            self._ready = False
+            self._live.clear()
+            self.facts = hello.facts
+            self.worker = hello
+            # replays of an earlier restore that never finished: the new one replays again
+            for rid, op in list(self._sent.items()):
+                if op.replay:
+                    del self._sent[rid]
+                    if (seqs := self._seqs.get(op.model_id)) is not None:
+                        seqs.pending.discard(op.seq_id)
+        log.info("worker %s (pid %s) serves %s", hello.worker_id, hello.pid, self.name)
+        self._loop.call_soon_threadsafe(self.first_hello.set)
+        asyncio.run_coroutine_threadsafe(self._restore(), self._loop)
+
+    def lost(self, reason: str) -> None:
+        """The worker went away: nothing is sent until one is back (and restored)."""
+        with self._lock:
+            if self._identity is None:
+                return
+            self._identity, self._ready = None, False
+            self._down_since = time.monotonic()
+            calls = list(self._calls.values())
+            self._calls.clear()
+        log.warning("the worker of %s is gone (%s); waiting for a new one", self.name, reason)
+        dead = EngineDeadError(f"the engine of {self.name!r} restarted during this call")
+        for fut in calls:
+            fut.set_exception(dead)
+
+    def handle(self, kind: Kind, body: bytes) -> None:
+        if kind == Kind.OUTCOMES:
+            self._got_outcomes(messages.decode_outcomes(body))
+        elif kind == Kind.REPLY:
+            reply = messages.decode(body, messages.Reply)
+            with self._lock:
+                fut = self._calls.pop(reply.call_id, None)
+            if fut is not None and not fut.done():
+                if reply.error is not None:
+                    fut.set_exception(reply.error.to_exception())
+                else:
+                    fut.set_result(reply.value)
+        elif kind == Kind.REFS:
+            refs = messages.decode(body, messages.Refs)
+            with self._lock:
+                self._live.update(refs.added)
+                self._live.difference_update(refs.dropped)
+        elif kind == Kind.SNAPSHOT:
+            self._on_snapshot(messages.decode(body, StateSnapshot))
+
+    def tick(self) -> None:
+        """Hub thread: fail everything if the worker has been gone too long."""
+        with self._lock:
+            down = self._down_since
+            if self._identity is not None or down is None:
+                return
+            if time.monotonic() - down < self.give_up_after_s:
+                return
+            if not self._sent:
+                return
+            ops, self._sent, self._outbox = list(self._sent.values()), {}, []
+        dead = EngineDeadError(
+            f"the engine of model {self.name!r} has been down for over "
+            f"{self.give_up_after_s:.0f} s; retry later"
+        )
+        self._outcomes_later([Outcome.failed(op.request_id, dead) for op in ops if not op.replay])
+
+    # ---- internals ----
+    async def _restore(self) -> None:
+        try:
+            await self._on_ready(self)
+        except Exception:
+            log.exception("restoring the models of %s failed", self.name)
+            return
+        with self._lock:
+            self._ready, self._down_since = True, None
+            identity = self._identity
+            outbox, self._outbox = self._outbox, []
+            waiting = {op.request_id for op in outbox}
+            resend = [
+                op for op in self._sent.values() if not op.replay and op.request_id not in waiting
+            ]
+        # in their order: what was in flight when the worker went away, then what waited
+        for op in sorted(resend, key=_order) + outbox:
+            self._send_op(identity, op)
+
+    def _send_op(self, identity: bytes | None, op: Op) -> None:
+        if identity is not None:
+            self.hub.send(identity, Kind.OP, messages.encode_op(op, op.encoded))
+
+    def _got_outcomes(self, outcomes: list[Outcome]) -> None:
+        heard = []
+        with self._lock:
+            for o in outcomes:
+                op = self._sent.pop(o.request_id, None)
+                if op is None:
+                    continue  # failed already (the engine was down too long)
+                if op.kind != OpKind.SAMPLE and (seqs := self._seqs.get(op.model_id)):
+                    seqs.pending.discard(op.seq_id)
+                    seqs.ran_below = max(seqs.ran_below, op.seq_id + 1)
+                if not op.replay:
+                    heard.append(o)
+        if heard:
+            self._on_outcomes(heard)
+
+    def _outcomes_later(self, outcomes: list[Outcome]) -> None:
+        # never from under our lock: the callback takes the journal's
+        threading.Thread(target=self._on_outcomes, args=(outcomes,), daemon=True).start()
+
+    def _control_nowait(self, name: str, **args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            identity = self._identity
+            if identity is None:
+                # nothing to tell: the restore after the worker's return sets it up
+                fut.set_result(None)
+                return fut
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+        body = messages.encode(messages.Call(call_id, name, args))
+        self.hub.send(identity, Kind.CALL, body)
+        return fut
+
+    async def _control(self, name: str, **args: Any) -> Any:
+        with self._lock:
+            if self._identity is None:
+                raise EngineDeadError(
+                    f"the engine of model {self.name!r} is restarting; retry in a few seconds"
+                )
+        return await asyncio.wrap_future(self._control_nowait(name, **args))
+
+
+def _order(op: Op) -> tuple[int, float]:
+    return (op.seq_id if op.seq_id is not None else -1, op.enqueued_at)
+
+
+class WorkerHub:
+    """The API side of the workers' sockets: routes messages by worker identity."""
+
+    def __init__(self, address: str, token: str, dead_after_s: float = DEAD_AFTER_S):
+        self.token = token
+        self.dead_after_s = dead_after_s
+        self.epoch = uuid.uuid4().hex
+        self.engines: dict[str, RemoteEngine] = {}
+        self._by_identity: dict[bytes, RemoteEngine] = {}
+        self._seen: dict[bytes, float] = {}
+        self._last_beat = 0.0
+        self.channel = Channel(zmq.ROUTER, self._on_message, self._on_tick, bind=address)
+        self.address = self.channel.address
+
+    def start(self) -> None:
+        self.channel.start()
+
+    def stop(self) -> None:
+        self.channel.stop()
+
+    def send(self, identity: bytes, kind: Kind, body: bytes) -> None:
+        self.channel.send([identity, kind.encode(), body])
+
+    def worker_exited(self, model: str, reason: str) -> None:
+        """The supervisor saw the process end: no need to wait for the heartbeat to lapse."""
+        engine = self.engines.get(model)
+        if engine is not None:
+            for identity, owner in list(self._by_identity.items()):
+                if owner is engine:
+                    self._by_identity.pop(identity, None)
+                    self._seen.pop(identity, None)
+            engine.lost(reason)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        identity, kind, body = frames[0], Kind(frames[1].decode()), frames[2]
+        self._seen[identity] = time.monotonic()
+        if kind == Kind.HELLO:
+            self._hello(identity, messages.decode(body, messages.Hello))
+            return
+        engine = self._by_identity.get(identity)
+        if engine is None:  # a worker this API lost track of (or never knew): start over
+            self.send(identity, Kind.REJOIN, b"")
+        elif kind != Kind.HEARTBEAT:
+            engine.handle(kind, body)
+
+    def _hello(self, identity: bytes, hello: messages.Hello) -> None:
+        engine = self.engines.get(hello.facts.name)
+        if engine is None or not hmac.compare_digest(hello.token.encode(), self.token.encode()):
+            log.warning("refused a worker for %r (unknown model or wrong token)", hello.facts.name)
+            return
+        if hello.protocol != messages.PROTOCOL:
+            log.warning("refused a worker speaking protocol %s", hello.protocol)
+            return
+        welcome = messages.encode(messages.Welcome(self.epoch))
+        if self._by_identity.get(identity) is engine:  # a repeated HELLO: already taken
+            self.send(identity, Kind.WELCOME, welcome)
+            return
+        for old, owner in list(self._by_identity.items()):
+            if owner is engine and old != identity:
+                self._by_identity.pop(old, None)
+                engine.lost("replaced by a new worker")
+        self._by_identity[identity] = engine
+        self.send(identity, Kind.WELCOME, welcome)
+        engine.connected(identity, hello)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= TICK_S:
+            self._last_beat = now
+            for identity in list(self._by_identity):
+                self.send(identity, Kind.HEARTBEAT, b"")
+        for identity, seen in list(self._seen.items()):
+            if now - seen > self.dead_after_s and identity in self._by_identity:
+                engine = self._by_identity.pop(identity)
+                self._seen.pop(identity, None)
+                engine.lost(f"no heartbeat for {self.dead_after_s:.1f} s")
+        for engine in self.engines.values():
+            engine.tick()
+

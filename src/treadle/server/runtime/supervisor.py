@@ -1,0 +1,116 @@
+"""Starts one `treadle worker` process per served model, watches it, restarts it.
+
+Each worker is a child process that dies with the API (PDEATHSIG). A thread per worker
+waits on the process: an exit (kill -9, a segfault, an error that took the interpreter
+down) is known at once, told to the hub (so nothing waits for a heartbeat to lapse), and a
+new worker is started, with a short backoff if workers keep dying.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from treadle.server.config import ServerConfig
+from treadle.server.runtime.remote import TOKEN_ENV
+
+log = logging.getLogger("treadle.supervisor")
+
+MAX_BACKOFF_S = 10.0
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: ServerConfig,
+        address: str,
+        token: str,
+        on_exit: callable,  # (model name, reason) → None
+    ):
+        self.config = config
+        self.address = address
+        self.token = token
+        self.on_exit = on_exit
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for name, path in self.config.models.items():
+            thread = threading.Thread(
+                target=self._watch, args=(name, path), name=f"supervise-{name}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Let the workers finish (they drain on SIGTERM), then make sure they are gone."""
+        self._stopping.set()
+        timeout_s = timeout_s if timeout_s is not None else self.config.drain_timeout_s + 10
+        for proc in list(self.procs.values()):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in list(self.procs.values()):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def _watch(self, name: str, path: str) -> None:
+        backoff = 0.5
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            proc = self._spawn(name, path)
+            self.procs[name] = proc
+            code = proc.wait()
+            if self._stopping.is_set():
+                return
+            reason = f"worker process {proc.pid} exited with code {code}"
+            log.error("%s: %s; starting a new one", name, reason)
+            self.on_exit(name, reason)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            backoff = 0.5 if time.monotonic() - started > 60 else min(backoff * 2, MAX_BACKOFF_S)
+            self._stopping.wait(backoff)
+
+    def _spawn(self, name: str, path: str) -> subprocess.Popen:
+        data = Path(self.config.data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        settings = self.config.model_dump(mode="json")
+        settings["models"] = {name: path}
+        config_file = data / f"worker-{_slug(name)}.json"
+        config_file.write_text(json.dumps(settings))
+        cmd = [
+            sys.executable,
+            "-m",
+            "treadle.cli",
+            "worker",
+            "--config",
+            str(config_file),
+            "--connect",
+            self.address,
+        ]
+        env = {**os.environ, TOKEN_ENV: self.token}
+        log.info("starting the worker of %s", name)
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

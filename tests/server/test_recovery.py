@@ -1,0 +1,261 @@
+"""Crash recovery: training loops with no recovery code of their own, while the server (or
+one engine worker) is killed with SIGKILL and started again on the same data dir.
+
+Each loop must finish, with exactly the optimizer steps it asked for applied (read from
+the saved training state) and the same final logprobs as an uninterrupted run (1e-5, fp32):
+nothing the client was told succeeded is lost, and nothing runs twice.
+
+    .venv/bin/python -m pytest -q tests/server/test_recovery.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.launch import ServerProcess
+
+TINY = "treadle/tiny-llama"
+STEPS = 30
+FAST = {"snapshot_every_steps": 4}  # snapshots and replays both happen within one loop
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def kill_tree(server: ServerProcess) -> None:
+    """SIGKILL the API and its workers, all at once (as a machine crash would)."""
+    pids = [server.proc.pid, *children(server.proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.proc.wait()
+
+
+def data(step: int) -> list[Datum]:
+    rng = np.random.default_rng(step)
+    out = []
+    for T in (7, 11):
+        seq = rng.integers(1, 400, T + 1)
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(seq[:-1].tolist()),
+                loss_fn_inputs={"target_tokens": seq[1:].tolist(), "weights": [1.0] * T},
+            )
+        )
+    return out
+
+
+PROBE = data(10_000)
+
+
+def sft_loop(url: str, steps: int, on_step=None) -> tuple[list[np.ndarray], int, str]:
+    """A plain SFT loop, as a user writes it: → (final logprobs, steps in its state, path)."""
+    svc = ServiceClient(base_url=url)
+    tc = svc.create_lora_training_client(TINY, rank=4, seed=3)
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        fb = tc.forward_backward(data(step), "cross_entropy")
+        op = tc.optim_step(AdamParams(learning_rate=1e-2))
+        fb.result()
+        op.result()
+    out = tc.forward(PROBE, "cross_entropy").result()
+    path = tc.save_state("final").result().path
+    svc.close()
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs], step + 1, path
+
+
+def steps_in_state(data_dir: Path, path: str) -> int:
+    run, _, name = path.removeprefix("tinker://").split("/")
+    state = data_dir / "artifacts" / run / "weights" / name / "treadle_state.json"
+    return json.loads(state.read_text())["step"]
+
+
+def wait_filed(data_dir: Path, n: int, timeout_s: float = 60) -> None:
+    """Until the server's database holds n training requests (each one acknowledged)."""
+    db = sqlite3.connect(data_dir / "treadle.db")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            kinds = "('forward_backward', 'optim_step')"
+            (filed,) = db.execute(f"SELECT count(*) FROM requests WHERE kind IN {kinds}").fetchone()
+            if filed >= n:
+                return
+            time.sleep(0.01)
+    finally:
+        db.close()
+    raise TimeoutError(f"only {filed} of {n} requests filed")
+
+
+class Chaos:
+    """Kills at chosen steps of a loop, from another thread, then restarts."""
+
+    def __init__(self, server: ServerProcess, at: set[int], whole: bool, seed: int = 0):
+        self.server, self.at, self.whole = server, at, whole
+        self.rng = random.Random(seed)
+        self.kills = 0
+        self._due = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def on_step(self, step: int) -> None:
+        if step in self.at:
+            self._due.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self._due.wait(0.1):
+                continue
+            self._due.clear()
+            time.sleep(self.rng.uniform(0.0, 0.3))  # land in the middle of some request
+            if self.whole:
+                kill_tree(self.server)
+                self.server.start()
+            else:
+                for pid in children(self.server.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+            self.kills += 1
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run every chaotic one must match."""
+    with ServerProcess({TINY: tiny_model_dir}, tmp_path_factory.mktemp("ref"), config=FAST) as s:
+        return sft_loop(s.url, STEPS)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["server-killed", "worker-killed"])
+def test_an_sft_loop_survives_five_kills(reference, tiny_model_dir, tmp_path, whole):
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=FAST).start()
+    at = set(random.Random(1 + whole).sample(range(1, STEPS - 1), 5))
+    chaos = Chaos(server, at, whole)
+    try:
+        lps, steps, path = sft_loop(server.url, STEPS, chaos.on_step)
+    finally:
+        chaos.close()
+        server.stop()
+    assert chaos.kills == 5
+    assert steps == STEPS and steps_in_state(tmp_path / "data", path) == STEPS
+    for got, want in zip(lps, reference[0], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_grpo_loop_killed_while_sampling(tiny_model_dir, tmp_path):
+    """Samples in flight when the server dies are acknowledged: they run after the restart,
+    and the loop goes on from the sampler that made them."""
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=FAST).start()
+    try:
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4, seed=5)
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+        for step in range(4):
+            sampler = tc.save_weights_and_get_sampling_client()
+            params = SamplingParams(max_tokens=6, temperature=1.0, seed=step)
+            futures = [sampler.sample(ModelInput.from_ints(p), 4, params) for p in prompts]
+            if step in (1, 2):
+                kill_tree(server)  # with every sample of the step in flight
+                server.start()
+            datums = []
+            for prompt, fut in zip(prompts, futures, strict=True):
+                seqs = fut.result().sequences
+                rewards = np.array([float(len(set(s.tokens))) for s in seqs])
+                advantages = rewards - rewards.mean()
+                for seq, adv in zip(seqs, advantages, strict=True):
+                    tokens = prompt + seq.tokens
+                    n = len(prompt)
+                    datums.append(
+                        Datum(
+                            model_input=ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={
+                                "target_tokens": tokens[1:],
+                                "logprobs": [0.0] * (n - 1) + list(seq.logprobs),
+                                "advantages": [0.0] * (n - 1) + [float(adv)] * len(seq.tokens),
+                            },
+                        )
+                    )
+            tc.forward_backward(datums, "ppo").result()
+            tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+        path = tc.save_state("after-rl").result().path
+        svc.close()
+    finally:
+        server.stop()
+    assert steps_in_state(tmp_path / "data", path) == 4
+
+
+def test_the_tinker_sdk_rides_out_a_restart(tiny_model_dir, tmp_path):
+    tinker = pytest.importorskip("tinker")
+    from tinker import types as T
+
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=FAST).start()
+    try:
+        svc = tinker.ServiceClient(base_url=server.url, api_key="tml-recovery")
+        tc = svc.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+        for step in range(8):
+            batch = [
+                T.Datum(
+                    model_input=T.ModelInput.from_ints(d.model_input.to_ints()),
+                    loss_fn_inputs={
+                        "target_tokens": d.loss_fn_inputs["target_tokens"].tolist(),
+                        "weights": d.loss_fn_inputs["weights"].tolist(),
+                    },
+                )
+                for d in data(step)
+            ]
+            fb = tc.forward_backward(batch, "cross_entropy")
+            op = tc.optim_step(T.AdamParams(learning_rate=1e-2))
+            if step == 4:
+                kill_tree(server)
+                server.start()
+            fb.result()
+            op.result()
+        path = tc.save_state("tinker-final").result().path
+    finally:
+        server.stop()
+    assert steps_in_state(tmp_path / "data", path) == 8
+
+
+def test_sigterm_runs_what_was_acknowledged(tiny_model_dir, tmp_path):
+    """A burst of requests in flight, then SIGTERM: after a restart, none of them failed
+    (the server ran them before exiting, or runs them now)."""
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=FAST).start()
+    svc = ServiceClient(base_url=server.url)
+    tc = svc.create_lora_training_client(TINY, rank=4, seed=2)
+    futures = []
+    for step in range(12):
+        futures.append(tc.forward_backward(data(step), "cross_entropy"))
+        futures.append(tc.optim_step(AdamParams(learning_rate=1e-2)))
+    wait_filed(tmp_path / "data", 24)  # every request acknowledged, most not yet run
+    server.stop()  # SIGTERM, then wait for the exit
+    assert server.proc.returncode == 0, server.log()[-3000:]
+    server.start()
+    for fut in futures:
+        fut.result(timeout=120)  # raises if any failed
+    path = tc.save_state("after-sigterm").result().path
+    svc.close()
+    server.stop()
+    assert steps_in_state(tmp_path / "data", path) == 12

@@ -94,15 +94,23 @@ def _logits(eng, keys: list, ids: torch.Tensor) -> torch.Tensor:
 
 
 # ---- forward: every LoRA path ----
+LAYOUTS = {
+    "scattered": ["good", "bad", None, "other", "bad", "good", None],
+    "one_each": ["good", "bad", "other"],
+    "pairs": ["good", "good", "bad", "bad", "other", "other"],
+}
+
+
 @pytest.mark.parametrize("how", POISONS)
-@pytest.mark.parametrize("T", [1, 5, 20])  # decode-sized rows (grouped) and long rows (segments)
-def test_poisoned_adapter_leaves_its_batch_alone(eng, tenants, how, T):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T", [1, 5, 20])  # a decode step (grouped), prefills (segments)
+def test_poisoned_adapter_leaves_its_batch_alone(eng, tenants, how, layout, T):
     good, other, bad, healthy = tenants.values()
-    keys = [good, bad, None, other, bad, good, None]
+    keys = [tenants[k] if k else None for k in LAYOUTS[layout]]
     ids = _ids(eng, len(keys), T)
     _poison(eng, bad, how)
     mixed = _logits(eng, keys, ids)
-    assert not torch.isfinite(mixed[1]).all()  # the poison works
+    assert not torch.isfinite(mixed[keys.index(bad)]).all()  # the poison works
     twin = _logits(eng, [healthy if k == bad else k for k in keys], ids)
     base = _logits(eng, [None] * len(keys), ids)
     for row, key in enumerate(keys):

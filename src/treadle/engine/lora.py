@@ -16,13 +16,13 @@ each LoRA layer serves all adapters, forward and backward:
   the rank is high for the layer's size and the call has many tokens, one matmul with the
   merged weight `W + scale * B A` instead of the base matmul plus the low-rank product
   (merge_is_cheaper states when, from FLOPs); differentiable in A and B like the product;
-- many tokens per row (prefill), or any call with gradients (training): the input is split
+- several tokens per row (prefill), or any call with gradients (training): the input is split
   into the contiguous rows of each adapter (permuted first when an adapter's rows are
   scattered), one matmul pair per adapter, the updates concatenated: linear in the batch;
-- a few tokens per row without gradients (decoding): the rows are put in groups of one
-  adapter each, every group gets its own adapter's A and B (zero-padded to the largest rank),
-  and two batched matmuls serve all groups at once (the BGMV / SGMV shape of Punica and
-  S-LoRA); reading every adapter's weights once per step is then what a mixed batch costs.
+- one token per row without gradients (a decode step): the rows are put in groups of one
+  adapter each, every group gets its own adapter's A and B (zero-padded to the largest rank,
+  built once per rows() context), and two batched matmuls serve all groups at once (the
+  BGMV / SGMV shape of Punica and S-LoRA): a step then costs reading each adapter once.
 Isolation: a row's numbers depend only on its own adapter and the base, whatever shares its
 batch. No path multiplies a row by another adapter's weights, not even by a zero mask (a
 NaN adapter would otherwise poison its neighbours: NaN * 0 is NaN). Rows without a LoRA on a
@@ -89,7 +89,7 @@ class _Route:
     Rows are cut into contiguous segments of one key each (after a permutation when a key's
     rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
     per segment and concatenates: forward and backward stay linear in the batch size.
-    Short rows take the grouped path instead (_grouped), which reads `slots`.
+    Decode steps take the grouped path instead (_grouped), which reads `slots`.
     """
 
     n_rows: int
@@ -104,10 +104,6 @@ class _Route:
 # Rows this short are decoding: a single adapter keeps the low-rank product (merging would
 # rebuild W + s B A on every step for a token or two, see merge_is_cheaper).
 DECODE_MAX_TOKENS = 8
-# Mixed-adapter no-grad calls with rows this short take the grouped path: two batched
-# matmuls for all adapters rather than a matmul pair per adapter. Longer rows keep the
-# segments, whose per-adapter matmuls are large enough that their count costs little.
-GROUPED_MAX_TOKENS = 8
 
 
 def merge_is_cheaper(
@@ -379,7 +375,9 @@ class AdapterBank:
                 out = base_forward(module, x)  # (B, T, out)
                 return (out + _delta(x, pair)).to(out.dtype)
             out = base_forward(module, x)  # (B, T, out)
-            if x.shape[1] <= GROUPED_MAX_TOKENS and not torch.is_grad_enabled():
+            # one token per row without gradients: a decode step, one of many in the same
+            # rows() context, which pays for building the grouped weights once
+            if x.shape[1] == 1 and x.dim() == 3 and not torch.is_grad_enabled():
                 return _grouped(x, out, route, path)
             delta = _segmented_delta(x, route, path)
             return out if delta is None else (out + delta).to(out.dtype)
@@ -501,33 +499,37 @@ def _group_rows(slots: list[int], present: tuple[bool, ...], device: torch.devic
 
 def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's own A^T and scale * B, zero-padded to the largest rank among them:
-    (G, in, r), (G, out, r), the layouts _grouped reads fastest."""
-    used = sorted(set(groups.segments))
-    r = max(pairs[s].A.shape[0] for s in used)
-    a, b = {}, {}
-    for s in used:
-        pair, pad = pairs[s], r - pairs[s].A.shape[0]
-        a[s] = F.pad(pair.A, (0, 0, 0, pad)).t()  # (in, r); padded rank rows are zero
-        b[s] = F.pad(pair.B * pair.scale, (0, pad))  # (out, r)
-    a_g = torch.stack([a[s] for s in groups.segments])  # (G, in, r)
-    b_g = torch.stack([b[s] for s in groups.segments])  # (G, out, r)
+    (G, in, r), and (G, out, r) for groups of one row else (G, r, out), the layouts that
+    _grouped reads fastest. Built under no_grad, into fresh tensors."""
+    ranks = {s: pairs[s].A.shape[0] for s in groups.segments}
+    r, first = max(ranks.values()), pairs[groups.segments[0]]
+    n_in, n_out, G = first.A.shape[1], first.B.shape[0], len(groups.segments)
+    new = first.A.new_zeros if min(ranks.values()) < r else first.A.new_empty
+    a_g = new((G, n_in, r))
+    b_g = new((G, n_out, r) if groups.size == 1 else (G, r, n_out))
+    for g, s in enumerate(groups.segments):
+        pair, k = pairs[s], ranks[s]
+        a_g[g, :, :k] = pair.A.t()
+        if groups.size == 1:
+            torch.mul(pair.B, pair.scale, out=b_g[g, :, :k])
+        else:
+            torch.mul(pair.B.t(), pair.scale, out=b_g[g, :k, :])
     return a_g, b_g
 
 
 def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
-    """out + scale * B(A x) of every row with its own adapter: the rows are gathered into
-    groups of one adapter each, then x_g @ A_g^T and @ (s B_g)^T run as two batched matmuls
-    over the groups. Each row only ever meets its own adapter's weights; rows without a LoRA
-    on this layer return `out` as it is. No-grad calls only (sampling, forward): the layout
-    and the weights are built once per route and layer, then reused.
+    """out + scale * B(A x) of every row with its own adapter, for one token per row: the
+    rows are gathered into groups of one adapter each, then x_g @ A_g^T and (s B_g) @ h run
+    as two batched matmuls over the groups. Each row only ever meets its own adapter's
+    weights; rows without a LoRA on this layer return `out` as it is. No-grad calls only:
+    the layout and the weights are built once per route and layer, then reused.
     """
     entry = route.cache.get(path)
     if entry is None:
         pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
         present = tuple(p is not None for p in pairs)
-        if not any(present):
-            entry = (None, None, None)
-        else:
+        entry = (None, None, None)
+        if any(present):
             groups = route.cache.get(present)
             if groups is None:  # the same for every layer that the same adapters target
                 groups = route.cache[present] = _group_rows(route.slots, present, x.device)
@@ -536,24 +538,28 @@ def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> to
     groups, a_g, b_g = entry
     if groups is None:
         return out
-    G, n_in, n_out = a_g.shape[0], a_g.shape[1], b_g.shape[1]
-    xs = x.to(a_g.dtype)
-    T = xs[0].numel() // n_in  # tokens per row
-    if groups.src is None and groups.size * T == 1 and out.dtype == b_g.dtype:
-        # decoding, one row per group in batch order: B h as (G, out, r) @ (G, r, 1), the
-        # shape that reads B fastest here, into the transposed (G, out, 1) view of out: the
-        # add fuses into the matmul
-        h = torch.bmm(xs.reshape(G, 1, n_in), a_g)  # (G, 1, r)
-        out_t = out.reshape(G, 1, n_out).transpose(1, 2)  # (G, out, 1)
-        return torch.baddbmm(out_t, b_g, h.transpose(1, 2)).transpose(1, 2).reshape(out.shape)
+    B, G, size = x.shape[0], a_g.shape[0], groups.size
+    n_in, n_out = a_g.shape[1], out.shape[-1]
+    if groups.src is None and size == 1 and out.dtype == x.dtype == a_g.dtype:
+        # the common decode step, each row its own group: (G, out, r) @ (G, r, 1) reads B
+        # fastest here, into the (G, out, 1) view of out: the add fuses into the matmul
+        h = torch.bmm(x, a_g)  # (B, 1, r)
+        return torch.baddbmm(out.transpose(1, 2), b_g, h.transpose(1, 2)).transpose(1, 2)
+    xs = x.to(a_g.dtype).reshape(B, n_in)  # (B, in)
     if groups.src is not None:
-        xs = xs.reshape(x.shape[0], T, n_in).index_select(0, groups.src)  # (G*size, T, in)
-    h = torch.bmm(xs.reshape(G, -1, n_in), a_g)  # (G, size*T, r)
-    delta = torch.bmm(h, b_g.transpose(1, 2)).reshape(G * groups.size, T, n_out)
-    if groups.dst is None:
-        return (out + delta.reshape(out.shape)).to(out.dtype)
-    zero = delta.new_zeros((1, T, n_out))  # the exact zero of the rows without LoRA here
-    delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, T, out)
+        xs = xs.index_select(0, groups.src)  # (G*size, in)
+    h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
+    fuse = groups.dst is None and out.dtype == b_g.dtype  # add into out within the matmul
+    if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
+        delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
+    else:
+        if fuse:
+            return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
+        delta = torch.bmm(h, b_g)  # (G, size, out)
+    delta = delta.reshape(G * size, n_out)
+    if groups.dst is not None:
+        zero = delta.new_zeros((1, n_out))  # the exact zero of the rows without LoRA here
+        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, out)
     return (out + delta.reshape(out.shape)).to(out.dtype)
 
 

@@ -585,8 +585,8 @@ def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:
     """max |x| of each tensor, nan or inf where it is not finite: one host sync for all."""
     if not tensors:
         return []
-    peaks = [torch.linalg.vector_norm(t.detach(), ord=math.inf).float() for t in tensors]
-    return torch.stack(peaks).tolist()
+    # abs().amax() propagates NaN and is several times faster here than an inf-norm or isfinite
+    return torch.stack([t.detach().abs().amax().float() for t in tensors]).tolist()
 
 
 def unsafe_layer(layers: dict[str, LoraPair]) -> str | None:

@@ -233,23 +233,16 @@ def optim_step(adapter: Adapter, spec: AdamSpec) -> dict[str, float]:
     - weights or their update s B A not finite (see lora.unsafe_layer) while the moments
       are: the learning rate (or weight decay) is to blame, the accumulated gradients are
       kept, so that a step with a sane learning rate can follow at once;
-    - AdamW moments not finite (the squares of huge gradients overflow; moments do not
-      depend on the learning rate), or gradients not finite (forward_backward never adds
-      such): those gradients can never give a finite step, so they are dropped and the
-      next forward_backward starts afresh.
+    - AdamW moments not finite: gradients that are not finite (forward_backward never adds
+      such) or whose squares overflow (moments do not depend on the learning rate). Those
+      gradients can never give a finite step, so they are dropped and the next
+      forward_backward starts afresh.
     """
     if not adapter.trainable:
         raise InvalidRequestError(f"{adapter.id!r} is a snapshot; only live adapters train")
     check_adam(spec)
     params = adapter.parameters()
     grads = [p.grad for p in params if p.grad is not None]
-    bad = [v for v in tensor_peaks(grads) if not math.isfinite(v)]
-    if bad:
-        zero_grad(adapter)
-        raise InvalidRequestError(
-            f"optim_step on {adapter.id!r}: the accumulated gradients are not finite (max "
-            f"|grad| {bad[0]}); they were dropped and the adapter is unchanged"
-        )
     saved = _Saved.of(adapter, clipping=spec.grad_clip_norm > 0)
     opt = optimizer_of(adapter, spec)
     if spec.grad_clip_norm > 0:
@@ -270,9 +263,9 @@ def optim_step(adapter: Adapter, spec: AdamSpec) -> dict[str, float]:
             zero_grad(adapter)
             raise InvalidRequestError(
                 f"optim_step on {adapter.id!r}: the gradients (grad norm {grad_norm:.4g}) are "
-                f"too large for AdamW, whose moments would not be finite ({moments}); they "
-                "were dropped and the adapter is unchanged: scale the loss down or set "
-                "grad_clip_norm"
+                f"not finite or too large for AdamW, whose moments would not be finite "
+                f"({moments}); they were dropped and the adapter is unchanged: scale the "
+                "loss down or set grad_clip_norm"
             )
         raise InvalidRequestError(
             f"optim_step on {adapter.id!r} with learning_rate {spec.learning_rate:g} (grad "
@@ -286,13 +279,18 @@ def optim_step(adapter: Adapter, spec: AdamSpec) -> dict[str, float]:
 
 
 def _unsafe_moments(adapter: Adapter, opt: torch.optim.AdamW) -> str | None:
-    """'AdamW state of <layer>' for the first layer whose moments are not finite, else None."""
+    """'AdamW state of <layer>' for the first layer whose moments are not finite, else None.
+
+    The second moment v = b2 v + (1 - b2) g * g is not finite as soon as a gradient is not,
+    or its square overflows, and the first moment only if a gradient is not: checking v
+    (and amsgrad's max of it) covers both.
+    """
     paths = [path for path in adapter.layers for _ in (0, 1)]  # A and B of each layer
     moments = [
         (path, t)
         for path, p in zip(paths, adapter.parameters(), strict=True)
-        for t in opt.state.get(p, {}).values()
-        if torch.is_tensor(t) and t.is_floating_point()
+        for key, t in opt.state.get(p, {}).items()
+        if key in ("exp_avg_sq", "max_exp_avg_sq")
     ]
     peaks = tensor_peaks([t for _, t in moments])
     for (path, _), peak in zip(moments, peaks, strict=True):

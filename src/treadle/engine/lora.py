@@ -270,7 +270,8 @@ class AdapterBank:
         unsafe = unsafe_layer(layers)
         if unsafe is not None:
             raise InvalidRequestError(
-                f"lora weights of adapter {adapter_id!r} are not finite: {unsafe}; refused"
+                f"lora weights of adapter {adapter_id!r} are not finite, or their update "
+                f"scale * B A would overflow ({unsafe}); refused"
             )
         if replace and adapter_id in self.adapters:
             self.drop(adapter_id)
@@ -377,7 +378,7 @@ class AdapterBank:
             out = base_forward(module, x)  # (B, T, out)
             # one token per row without gradients: a decode step, one of many in the same
             # rows() context, which pays for building the grouped weights once
-            if x.shape[1] == 1 and x.dim() == 3 and not torch.is_grad_enabled():
+            if x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled():
                 return _grouped(x, out, route, path)
             delta = _segmented_delta(x, route, path)
             return out if delta is None else (out + delta).to(out.dtype)
@@ -549,12 +550,11 @@ def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> to
     if groups.src is not None:
         xs = xs.index_select(0, groups.src)  # (G*size, in)
     h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
-    fuse = groups.dst is None and out.dtype == b_g.dtype  # add into out within the matmul
     if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
         delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
+    elif groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
+        return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
     else:
-        if fuse:
-            return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
         delta = torch.bmm(h, b_g)  # (G, size, out)
     delta = delta.reshape(G * size, n_out)
     if groups.dst is not None:

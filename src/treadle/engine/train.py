@@ -123,18 +123,18 @@ def _accumulate(
     grads = torch.autograd.grad(objective, params, allow_unused=True, retain_graph=several)
     start = 0
     for adapter, ids in zip(adapters, of_adapter.values(), strict=True):
-        n = len(adapter.layers) * 2
-        if _add_if_finite(adapter, grads[start : start + n]):
-            pass
-        elif len(ids) == 1:
+        n = len(adapter.layers) * 2  # its A and B, in parameters() order
+        together, start = grads[start : start + n], start + n
+        if _add_if_finite(adapter, together):
+            continue
+        if len(ids) == 1:
             bad[ids[0]] = True
-        else:
-            for i in ids:
-                mine = torch.autograd.grad(
-                    losses[i], adapter.parameters(), allow_unused=True, retain_graph=True
-                )
-                bad[i] = not _add_if_finite(adapter, mine)
-        start += n
+            continue
+        for i in ids:  # rare: find which of the adapter's batches are to blame
+            alone = torch.autograd.grad(
+                losses[i], adapter.parameters(), allow_unused=True, retain_graph=True
+            )
+            bad[i] = not _add_if_finite(adapter, alone)
     return bad
 
 

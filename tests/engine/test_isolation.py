@@ -105,7 +105,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T", [1, 5, 20])  # a decode step (grouped), prefills (segments)
 def test_poisoned_adapter_leaves_its_batch_alone(eng, tenants, how, layout, T):
-    good, other, bad, healthy = tenants.values()
+    bad, healthy = tenants["bad"], tenants["healthy"]
     keys = [tenants[k] if k else None for k in LAYOUTS[layout]]
     ids = _ids(eng, len(keys), T)
     _poison(eng, bad, how)
@@ -128,7 +128,7 @@ def test_poisoned_adapter_leaves_its_batch_alone(eng, tenants, how, layout, T):
 @pytest.mark.parametrize("how", POISONS)
 def test_poisoned_snapshot_next_to_live_adapters(eng, tenants, new_id, how):
     """A frozen copy (what samplers read) is routed like a live adapter and contained too."""
-    good, _, bad, _ = tenants.values()
+    good, bad = tenants["good"], tenants["bad"]
     snap = new_id("snap")
     eng.snapshot(bad, snap)
     _poison(eng, snap, how)

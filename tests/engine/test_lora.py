@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treadle.engine import lora
-from treadle.engine.lora import CONCAT_MAX_TOKENS, AdapterBank, merge_is_cheaper
+from treadle.engine.lora import DECODE_MAX_TOKENS, AdapterBank, merge_is_cheaper
 from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
 
@@ -358,7 +358,7 @@ def test_mixed_batches_and_decode_calls_never_merge(
     torch.testing.assert_close(lp_alone[0][1], lp_on[0][1], rtol=1e-5, atol=1e-5)
 
     merged_in.clear()
-    ids = _ids(engine, B=64, T=CONCAT_MAX_TOKENS)  # 512 tokens, but decode-sized rows
+    ids = _ids(engine, B=64, T=DECODE_MAX_TOKENS)  # 512 tokens, but decode-sized rows
     short = _logits(engine, [a] * 64, ids, merge=True)  # (64, 8, V)
     assert not merged_in
     assert torch.equal(short, _logits(engine, [a] * 64, ids, merge=False))

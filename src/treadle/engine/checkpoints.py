@@ -26,7 +26,7 @@ from torch import nn
 
 from treadle.engine.lora import Adapter, AdapterBank
 from treadle.engine.models import load_tokenizer, model_source
-from treadle.engine.train import optimizer_of
+from treadle.engine.train import check_optimizer_state, optimizer_of
 from treadle.engine.types import LoraSpec
 from treadle.errors import InvalidRequestError
 
@@ -221,22 +221,28 @@ def save_state(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_mo
 def load_state(
     bank: AdapterBank, adapter_id: str, in_dir: str | Path, with_optimizer: bool = True
 ) -> Adapter:
-    """Create (or replace) adapter_id from save_state's folder (or any PEFT adapter folder)."""
+    """Create (or replace) adapter_id from save_state's folder (or any PEFT adapter folder).
+
+    Everything is checked before an existing adapter is replaced: weights and AdamW state
+    that are not finite are refused (an import of garbage must not reach a batch).
+    """
     folder = Path(in_dir)
     spec, weights, scales = read_adapter(folder, bank)
+    state = None
+    if with_optimizer and (folder / OPTIMIZER).is_file():
+        state = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+        if len(state["param_groups"][0]["params"]) != 2 * len(weights):
+            raise InvalidRequestError(
+                f"{OPTIMIZER} holds state for {len(state['param_groups'][0]['params'])} "
+                f"tensors, expected {2 * len(weights)} for this adapter"
+            )
+        check_optimizer_state(state, OPTIMIZER)
     adapter = bank.add(adapter_id, spec, weights, scales, replace=True)
     if with_optimizer:
         meta = json.loads((folder / STATE).read_text()) if (folder / STATE).is_file() else {}
         adapter.extra["step"] = int(meta.get("step", 0))
-        if (folder / OPTIMIZER).is_file():
-            state = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
-            opt = optimizer_of(adapter)
-            if len(state["param_groups"][0]["params"]) != len(adapter.parameters()):
-                raise InvalidRequestError(
-                    f"{OPTIMIZER} holds state for {len(state['param_groups'][0]['params'])} "
-                    f"tensors, expected {len(adapter.parameters())} for this adapter"
-                )
-            opt.load_state_dict(state)
+        if state is not None:
+            optimizer_of(adapter).load_state_dict(state)
     return adapter
 
 

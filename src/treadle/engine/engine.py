@@ -33,7 +33,9 @@ class Engine:
         """Load an HF causal LM folder (config + safetensors + tokenizer) frozen.
 
         Attributes set: model, tokenizer, vocab_size, max_seq_len, eos_token_ids, model_dir,
-        and bank (the AdapterBank that routes rows to adapters; see treadle.engine.lora).
+        bank (the AdapterBank that routes rows to adapters; see treadle.engine.lora) and
+        max_lora_rank (the largest rank create_adapter accepts for a spec that trains every
+        layer kind; bank.max_rank(spec) gives it for another spec).
         model_name is what exported adapters name as their base (default: the folder).
         """
         base = load_base_model(model_dir, dtype=dtype, device=device)
@@ -48,13 +50,7 @@ class Engine:
         self.dtype = base.dtype
         self.model_name = model_name or str(model_dir)
         self.bank = AdapterBank(self.model)
-
-    @property
-    def max_lora_rank(self) -> int:
-        """The largest LoRA rank worth training: the widest min(in, out) of the layers an
-        adapter may target (the model's width). A higher rank adds parameters, not reach."""
-        layers = [self.bank.modules[path] for path in self.bank.targets]
-        return max(min(m.in_features, m.out_features) for m in layers)
+        self.max_lora_rank = self.bank.max_rank(LoraSpec())
 
     @property
     def arch(self) -> str | None:

@@ -16,14 +16,20 @@ each LoRA layer serves all adapters, forward and backward:
   the rank is high for the layer's size and the call has many tokens, one matmul with the
   merged weight `W + scale * B A` instead of the base matmul plus the low-rank product
   (merge_is_cheaper states when, from FLOPs); differentiable in A and B like the product;
-- many tokens per row (training, prefill): the input is split into the contiguous rows of
-  each adapter (permuted first when an adapter's rows are scattered), one matmul pair per
-  adapter, the updates concatenated: linear in the batch size;
-- a few tokens per row (decoding): all adapters' A stacked along the rank, one matmul, each
-  row keeps its own rank slice, one matmul with the B's stacked the same way.
-Rows without a LoRA on a layer add an exact zero, so a fresh adapter (B = 0) is the base.
-Inside one rows() context under no_grad the stacked weights are reused across calls:
-do not change adapter weights in place inside such a context.
+- several tokens per row (prefill), or any call with gradients (training): the input is split
+  into the contiguous rows of each adapter (permuted first when an adapter's rows are
+  scattered), one matmul pair per adapter, the updates concatenated: linear in the batch;
+- one token per row without gradients (a decode step): the rows are put in groups of one
+  adapter each, every group gets its own adapter's A and B (zero-padded to the largest rank,
+  built once per rows() context), and two batched matmuls serve all groups at once (the
+  BGMV / SGMV shape of Punica and S-LoRA): a step then costs reading each adapter once.
+Isolation: a row's numbers depend only on its own adapter and the base, whatever shares its
+batch. No path multiplies a row by another adapter's weights, not even by a zero mask (a
+NaN adapter would otherwise poison its neighbours: NaN * 0 is NaN). Rows without a LoRA on a
+layer (base rows) add an exact zero that no arithmetic produced, so they get the base's
+output; a fresh adapter (B = 0) is the base. Inside one rows() context under no_grad each
+layer's grouped weights are built once and reused across calls: do not change adapter
+weights in place inside such a context.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class _Route:
     Rows are cut into contiguous segments of one key each (after a permutation when a key's
     rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
     per segment and concatenates: forward and backward stay linear in the batch size.
+    Decode steps take the grouped path instead (_grouped), which reads `slots`.
     """
 
     n_rows: int
@@ -90,14 +97,13 @@ class _Route:
     segments: list[tuple[Adapter | None, int]]  # (adapter or None for base, rows), in order
     perm: torch.Tensor | None = None  # (B,) row order that makes segments contiguous
     inverse: torch.Tensor | None = None  # (B,) undoes perm
-    slots: torch.Tensor | None = None  # (B,) segment index of each row
-    cache: dict = field(default_factory=dict)  # per-route constants of _concat_delta
+    slots: list[int] = field(default_factory=list)  # segment index of each row
+    cache: dict = field(default_factory=dict)  # per-route layouts and weights of _grouped
 
 
-# Few tokens per row (decoding): all adapters in one matmul pair (_concat_delta) beats a
-# matmul pair per adapter; with many tokens per row the extra FLOPs would not pay. Such calls
-# also never merge (see merge_is_cheaper): decoding keeps the low-rank product.
-CONCAT_MAX_TOKENS = 8
+# Rows this short are decoding: a single adapter keeps the low-rank product (merging would
+# rebuild W + s B A on every step for a token or two, see merge_is_cheaper).
+DECODE_MAX_TOKENS = 8
 
 
 def merge_is_cheaper(
@@ -181,8 +187,20 @@ class AdapterBank:
         wanted = {ATTN: spec.train_attn, MLP: spec.train_mlp, UNEMBED: spec.train_unembed}
         return [path for path, kind in self.targets.items() if wanted[kind]]
 
+    def max_rank(self, spec: LoraSpec) -> int:
+        """The largest rank create() accepts for the layers spec targets (0: it targets none).
+
+        That is the largest min(in_features, out_features) among those layers, the model's
+        width for the usual architectures: a higher rank is already full rank on every
+        targeted layer, so it would only cost memory (rank 2**31 would ask for terabytes).
+        """
+        return self._full_rank(self.target_paths(spec))
+
     def create(self, adapter_id: str, spec: LoraSpec) -> Adapter:
-        """A fresh adapter: A kaiming-uniform from spec.seed, B zero, so it equals the base."""
+        """A fresh adapter: A kaiming-uniform from spec.seed, B zero, so it equals the base.
+
+        The rank is checked against max_rank(spec) before anything is allocated.
+        """
         _check_spec(spec)
         paths = self.target_paths(spec)
         if not paths:
@@ -191,6 +209,14 @@ class AdapterBank:
                 f"train_unembed to true (got {spec.train_attn}, {spec.train_mlp}, "
                 f"{spec.train_unembed}), or this model has no such layers"
             )
+        bound = self.max_rank(spec)
+        if spec.rank > bound:
+            raise InvalidRequestError(
+                f"lora rank must be <= {bound} for this model's targeted layers (the largest "
+                f"min(in_features, out_features) among them: a higher rank adds nothing), "
+                f"got {spec.rank}"
+            )
+        self._check_free(adapter_id)
         gen = torch.Generator(device="cpu").manual_seed(int(spec.seed))
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path in paths:
@@ -210,7 +236,13 @@ class AdapterBank:
         scales: dict[str, float],
         replace: bool = False,
     ) -> Adapter:
-        """Register a live adapter from given A/B tensors (copied); used by loaders too."""
+        """Register a live adapter from given A/B tensors (copied); used by loaders too.
+
+        Refused with InvalidRequestError, before it can join a batch: shapes that do not fit
+        the layer, a rank outside [1, max_rank] of its layers, and weights or updates that
+        are not finite (unsafe_layer), whose NaN would at least ruin the adapter's own rows.
+        """
+        bound = self._full_rank(list(weights))
         for path in sorted(weights):
             A, B = weights[path]
             lin = self._linear(path)
@@ -221,9 +253,13 @@ class AdapterBank:
                     f"{tuple(B.shape)}, expected ({r}, {lin.in_features}) and "
                     f"({lin.out_features}, {r})"
                 )
-        if replace and adapter_id in self.adapters:
-            self.drop(adapter_id)
-        self._check_free(adapter_id)
+            if not 1 <= r <= bound:
+                raise InvalidRequestError(
+                    f"lora weights of {path!r}: rank must be in [1, {bound}] for these "
+                    f"layers (the largest min(in_features, out_features) among them), got {r}"
+                )
+        if not (replace and adapter_id in self.adapters):
+            self._check_free(adapter_id)
         device = self._device()
         layers: dict[str, LoraPair] = {}
         for path in sorted(weights):
@@ -231,6 +267,16 @@ class AdapterBank:
             A = nn.Parameter(A.detach().to(device, self.param_dtype).clone())  # (r, in)
             B = nn.Parameter(B.detach().to(device, self.param_dtype).clone())  # (out, r)
             layers[path] = LoraPair(A, B, float(scales[path]))
+        unsafe = unsafe_layer(layers)
+        if unsafe is not None:
+            raise InvalidRequestError(
+                f"lora weights of adapter {adapter_id!r} are not finite, or their update "
+                f"scale * B A would overflow ({unsafe}); refused"
+            )
+        if replace and adapter_id in self.adapters:
+            self.drop(adapter_id)
+        self._check_free(adapter_id)
+        for path in layers:
             self._hook(path)
         adapter = Adapter(adapter_id, spec, layers, trainable=True)
         self.adapters[adapter_id] = adapter
@@ -298,7 +344,7 @@ class AdapterBank:
         segments = [(adapters.get(k) if k is not None else None, keys.count(k)) for k in order]
         device = self._device()
         slot = {k: i for i, k in enumerate(order)}
-        slots = torch.tensor([slot[k] for k in keys], device=device)
+        slots = [slot[k] for k in keys]
         if len(runs) == len(order):  # each key's rows already contiguous
             return _Route(len(keys), None, segments, slots=slots)
         perm_list = sorted(range(len(keys)), key=lambda i: slot[keys[i]])  # stable
@@ -329,13 +375,13 @@ class AdapterBank:
                     return F.linear(x, _merged_weight(module, pair), module.bias)
                 out = base_forward(module, x)  # (B, T, out)
                 return (out + _delta(x, pair)).to(out.dtype)
-            pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
             out = base_forward(module, x)  # (B, T, out)
-            if all(p is None for p in pairs):
-                return out
-            if x.shape[1] <= CONCAT_MAX_TOKENS:
-                return (out + _concat_delta(x, pairs, route)).to(out.dtype)
-            return (out + _segmented_delta(x, pairs, route)).to(out.dtype)
+            # one token per row without gradients: a decode step, one of many in the same
+            # rows() context, which pays for building the grouped weights once
+            if x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled():
+                return _grouped(x, out, route, path)
+            delta = _segmented_delta(x, route, path)
+            return out if delta is None else (out + delta).to(out.dtype)
 
         # An instance-level forward rather than a forward hook: a hook only runs after the base
         # matmul, which the merged path must skip. Installed once per layer and reading the
@@ -346,7 +392,7 @@ class AdapterBank:
         self._hooked[path] = module
 
     def _merges(self, module: nn.Linear, pair: LoraPair, x: torch.Tensor) -> bool:
-        if not self.merge_when_cheaper or x.shape[1] <= CONCAT_MAX_TOKENS:
+        if not self.merge_when_cheaper or x.shape[1] <= DECODE_MAX_TOKENS:
             return False
         if not module.weight.is_floating_point():  # a quantized base cannot be merged into
             return False
@@ -376,6 +422,11 @@ class AdapterBank:
             )
         return lin
 
+    def _full_rank(self, paths: list[str]) -> int:
+        """The largest min(in_features, out_features) among these layers (0: none)."""
+        ranks = [min(self._linear(p).in_features, self._linear(p).out_features) for p in paths]
+        return max(ranks, default=0)
+
     def _check_free(self, key: str) -> None:
         if key in self:
             raise ConflictError(f"id {key!r} is already used by an adapter or snapshot")
@@ -384,8 +435,14 @@ class AdapterBank:
         return next(self.model.parameters()).device
 
 
-def _segmented_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tensor:
-    """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out)."""
+def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
+    """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out).
+
+    None when no row has a LoRA on this layer.
+    """
+    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+    if all(p is None for p in pairs):
+        return None
     xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
     pieces = xs.split([n for _, n in route.segments])
     deltas = [
@@ -403,35 +460,107 @@ def _segmented_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tenso
     return delta if route.inverse is None else delta.index_select(0, route.inverse)
 
 
-def _concat_delta(x: torch.Tensor, pairs: list, route: _Route) -> torch.Tensor:
-    """All adapters at once: x @ [A_1; ...; A_S]^T, keep each row's own rank slice (times
-    its scale), then @ [B_1 ... B_S]^T. Two matmuls that read every adapter's weights once:
-    the cheapest shape for decoding, where a few tokens meet many adapters. (B, T, out)
+@dataclass
+class _Groups:
+    """The rows of one layer call that have a LoRA there, as G groups of `size` rows, every
+    group of one adapter (segment). Groups shorter than `size` repeat their own first row,
+    whose extra result is dropped: padding never borrows another adapter's row."""
+
+    segments: list[int]  # (G,) the segment of each group
+    size: int
+    src: torch.Tensor | None  # (G*size,) batch row read into each group slot; None: identity
+    # (B,) the group slot of each batch row, G*size (an appended zero row) for rows with no
+    # LoRA on this layer; None: identity
+    dst: torch.Tensor | None
+
+
+def _group_rows(slots: list[int], present: tuple[bool, ...], device: torch.device) -> _Groups:
+    """Groups of at most ceil(rows / adapters) rows: an adapter with many rows gets several
+    groups, so padding costs at most about as many rows as the batch has."""
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        if present[s]:
+            rows_of.setdefault(s, []).append(i)
+    size = -(-sum(len(r) for r in rows_of.values()) // len(rows_of))
+    segments: list[int] = []
+    src: list[int] = []
+    for s, rows in sorted(rows_of.items()):
+        for k in range(0, len(rows), size):
+            chunk = rows[k : k + size]
+            segments.append(s)
+            src += chunk + [chunk[0]] * (size - len(chunk))
+    if src == list(range(len(slots))):
+        return _Groups(segments, size, None, None)
+    dst = [len(src)] * len(slots)
+    for pos in reversed(range(len(src))):  # the first slot of a row, not its padding copies
+        dst[src[pos]] = pos
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return _Groups(segments, size, as_tensor(src), as_tensor(dst))
+
+
+def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's own A^T and scale * B, zero-padded to the largest rank among them:
+    (G, in, r), and (G, out, r) for groups of one row else (G, r, out), the layouts that
+    _grouped reads fastest. Built under no_grad, into fresh tensors."""
+    ranks = {s: pairs[s].A.shape[0] for s in groups.segments}
+    r, first = max(ranks.values()), pairs[groups.segments[0]]
+    n_in, n_out, G = first.A.shape[1], first.B.shape[0], len(groups.segments)
+    new = first.A.new_zeros if min(ranks.values()) < r else first.A.new_empty
+    a_g = new((G, n_in, r))
+    b_g = new((G, n_out, r) if groups.size == 1 else (G, r, n_out))
+    for g, s in enumerate(groups.segments):
+        pair, k = pairs[s], ranks[s]
+        a_g[g, :, :k] = pair.A.t()
+        if groups.size == 1:
+            torch.mul(pair.B, pair.scale, out=b_g[g, :, :k])
+        else:
+            torch.mul(pair.B.t(), pair.scale, out=b_g[g, :k, :])
+    return a_g, b_g
+
+
+def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
+    """out + scale * B(A x) of every row with its own adapter, for one token per row: the
+    rows are gathered into groups of one adapter each, then x_g @ A_g^T and (s B_g) @ h run
+    as two batched matmuls over the groups. Each row only ever meets its own adapter's
+    weights; rows without a LoRA on this layer return `out` as it is. No-grad calls only:
+    the layout and the weights are built once per route and layer, then reused.
     """
-    present = [p for p in pairs if p is not None]
-    key = tuple(id(p) for p in pairs)
-    cached = route.cache.get(key) if not torch.is_grad_enabled() else None
-    if cached is None:
-        a_cat = torch.cat([p.A for p in present])  # (R, in)
-        b_cat = torch.cat([p.B for p in present], dim=1)  # (out, R)
-        cached = (a_cat, b_cat)
-        if not torch.is_grad_enabled():  # weights cannot change inside one sampling call
-            route.cache[key] = cached
-    a_cat, b_cat = cached
-    sig = tuple((p.A.shape[0], p.scale) if p is not None else None for p in pairs)
-    mask = route.cache.get(sig)
-    if mask is None:
-        columns = []  # per segment: its scale on its own rank slice, zero elsewhere
-        for p in pairs:
-            row = []
-            for q in present:
-                value = p.scale if q is p else 0.0
-                row += [value] * q.A.shape[0]
-            columns.append(row)
-        per_slot = torch.tensor(columns, dtype=a_cat.dtype, device=a_cat.device)  # (S, R)
-        mask = route.cache[sig] = per_slot[route.slots][:, None, :]  # (B, 1, R)
-    h = F.linear(x.to(a_cat.dtype), a_cat) * mask  # (B, T, R)
-    return F.linear(h, b_cat)  # (B, T, out)
+    entry = route.cache.get(path)
+    if entry is None:
+        pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+        present = tuple(p is not None for p in pairs)
+        entry = (None, None, None)
+        if any(present):
+            groups = route.cache.get(present)
+            if groups is None:  # the same for every layer that the same adapters target
+                groups = route.cache[present] = _group_rows(route.slots, present, x.device)
+            entry = (groups, *_group_weights(pairs, groups))
+        route.cache[path] = entry
+    groups, a_g, b_g = entry
+    if groups is None:
+        return out
+    B, G, size = x.shape[0], a_g.shape[0], groups.size
+    n_in, n_out = a_g.shape[1], out.shape[-1]
+    if groups.src is None and size == 1 and out.dtype == x.dtype == a_g.dtype:
+        # the common decode step, each row its own group: (G, out, r) @ (G, r, 1) reads B
+        # fastest here, into the (G, out, 1) view of out: the add fuses into the matmul
+        h = torch.bmm(x, a_g)  # (B, 1, r)
+        return torch.baddbmm(out.transpose(1, 2), b_g, h.transpose(1, 2)).transpose(1, 2)
+    xs = x.to(a_g.dtype).reshape(B, n_in)  # (B, in)
+    if groups.src is not None:
+        xs = xs.index_select(0, groups.src)  # (G*size, in)
+    h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
+    if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
+        delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
+    elif groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
+        return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
+    else:
+        delta = torch.bmm(h, b_g)  # (G, size, out)
+    delta = delta.reshape(G * size, n_out)
+    if groups.dst is not None:
+        zero = delta.new_zeros((1, n_out))  # the exact zero of the rows without LoRA here
+        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, out)
+    return (out + delta.reshape(out.shape)).to(out.dtype)
 
 
 def _merged_weight(module: nn.Linear, pair: LoraPair) -> torch.Tensor:
@@ -450,6 +579,32 @@ def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:
     """scale * B(A x) in the adapter's dtype (PEFT casts the input the same way)."""
     x = x.to(pair.A.dtype)
     return F.linear(F.linear(x, pair.A), pair.B) * pair.scale  # (..., out)
+
+
+def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:
+    """max |x| of each tensor, nan or inf where it is not finite: one host sync for all."""
+    if not tensors:
+        return []
+    # abs().amax() propagates NaN and is several times faster here than an inf-norm or isfinite
+    return torch.stack([t.detach().abs().amax().float() for t in tensors]).tolist()
+
+
+def unsafe_layer(layers: dict[str, LoraPair]) -> str | None:
+    """The first layer whose A, B or update scale * B A may not be finite (None: all safe).
+
+    Every entry of the update is at most |scale| * rank * max|A| * max|B|; keeping that under
+    the adapter dtype's largest value keeps the update and the merged weight W + s B A of
+    the single-adapter path finite, not just A and B (after learning_rate 1e30 both are
+    still finite, around 1e30, while B A overflows).
+    """
+    pairs = list(layers.items())
+    peaks = tensor_peaks([t for _, pair in pairs for t in (pair.A, pair.B)])
+    for i, (path, pair) in enumerate(pairs):
+        a, b = peaks[2 * i], peaks[2 * i + 1]
+        bound = abs(pair.scale) * pair.A.shape[0] * a * b
+        if not (math.isfinite(bound) and bound <= torch.finfo(pair.A.dtype).max):
+            return f"{path}: max |A| {a:.3g}, max |B| {b:.3g}, scale {pair.scale:.3g}"
+    return None
 
 
 def _check_spec(spec: LoraSpec) -> None:

@@ -239,9 +239,24 @@ class _InfGrad(torch.autograd.Function):
         return grad * float("inf")
 
 
-def test_huge_loss_weights_add_nothing(eng, tenants, sft_datum):
-    """weights 1e38: loss inf, the batch is flagged and its adapter's gradients stay as they
-    were; the other adapter of the call is untouched."""
+def test_weights_that_cannot_be_meant_are_refused_before_the_pass(eng, tenants, sft_datum):
+    """weights 1e38: refused by the shared rules (treadle.engine.specs), nothing computed."""
+    good = tenants["good"]
+    huge = sft_datum(8, seed=2)
+    huge.loss_inputs["weights"] = np.full(8, 1e38, np.float32)
+    before = _grads(eng, good)
+    with pytest.raises(InvalidRequestError, match=r"\['weights'\] must lie within"):
+        eng.forward_backward([TrainBatch(good, [huge])])
+    assert all(
+        (x is None and y is None) or torch.equal(x, y)
+        for x, y in zip(before, _grads(eng, good), strict=True)
+    )
+
+
+def test_an_infinite_loss_adds_nothing(eng, tenants, sft_datum):
+    """Inputs within bounds whose loss still overflows (sampler logprobs of -1e6 make the
+    importance ratio infinite): the batch is flagged and its adapter's gradients stay as
+    they were; the other adapter of the call is untouched."""
     good, other = tenants["good"], tenants["other"]
     ok = [sft_datum(8, seed=1)]
     eng.forward_backward([TrainBatch(good, ok)])
@@ -249,10 +264,16 @@ def test_huge_loss_weights_add_nothing(eng, tenants, sft_datum):
     (other_alone,) = eng.forward_backward([TrainBatch(other, ok)])
     other_before = _grads(eng, other)
     _clear(eng, other)
-    huge = sft_datum(8, seed=2)
-    huge.loss_inputs["weights"] = np.full(8, 1e38, np.float32)
-    res = eng.forward_backward([TrainBatch(good, [huge]), TrainBatch(other, ok)])
-    assert res[0].metrics["loss:sum"] == float("inf") and res[0].metrics[NONFINITE] == 1.0
+    ratio = sft_datum(8, seed=2)
+    ratio.loss_inputs = {
+        "target_tokens": ratio.loss_inputs["target_tokens"],
+        "logprobs": np.full(8, -1e6, np.float32),
+        "advantages": np.full(8, -1.0, np.float32),
+    }
+    res = eng.forward_backward(
+        [TrainBatch(good, [ratio], "importance_sampling"), TrainBatch(other, ok)]
+    )
+    assert not np.isfinite(res[0].metrics["loss:sum"]) and res[0].metrics[NONFINITE] == 1.0
     assert res[1].metrics == other_alone.metrics
     assert all(torch.equal(x, y) for x, y in zip(before, _grads(eng, good), strict=True))
     for x, y in zip(other_before, _grads(eng, other), strict=True):

@@ -205,13 +205,16 @@ def check_ids(ids: np.ndarray | list[int], vocab_size: int, name: str) -> None:
 # ---- optim_step --------------------------------------------------------------------------------
 
 
-def validate_adam(spec: AdamSpec) -> None:
+def validate_adam(spec: AdamSpec, max_learning_rate: float = MAX_LEARNING_RATE) -> None:
+    """The edge refuses learning rates above MAX_LEARNING_RATE; the engine itself takes any
+    finite rate (its optim_step refuses a step that would overflow, and changes nothing)."""
+    lr_range = ">= 0" if math.isinf(max_learning_rate) else f"in [0, {max_learning_rate:g}]"
     checks = [
-        ("learning_rate", spec.learning_rate, 0 <= spec.learning_rate <= MAX_LEARNING_RATE,
-         f"in [0, {MAX_LEARNING_RATE:g}]"),
+        ("learning_rate", spec.learning_rate, 0 <= spec.learning_rate <= max_learning_rate,
+         lr_range),
         ("beta1", spec.beta1, 0 <= spec.beta1 < 1, "in [0, 1)"),
         ("beta2", spec.beta2, 0 <= spec.beta2 < 1, "in [0, 1)"),
-        ("eps", spec.eps, 0 < spec.eps <= 1, "in (0, 1]"),
+        ("eps", spec.eps, 0 <= spec.eps <= 1, "in [0, 1]"),
         ("weight_decay", spec.weight_decay, 0 <= spec.weight_decay <= MAX_WEIGHT_DECAY,
          f"in [0, {MAX_WEIGHT_DECAY:g}]"),
         ("grad_clip_norm", spec.grad_clip_norm, spec.grad_clip_norm >= 0, ">= 0 (0: no clipping)"),

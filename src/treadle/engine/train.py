@@ -24,6 +24,7 @@ from torch import nn
 
 from treadle.engine.lora import Adapter, AdapterBank, tensor_peaks, unsafe_layer
 from treadle.engine.losses import CLIP_DEFAULTS, FLOAT_KEYS, LOSSES, as_int64, validate_batch
+from treadle.engine.specs import validate_adam
 from treadle.engine.types import AdamSpec, TrainBatch, TrainResult
 from treadle.errors import InvalidRequestError
 
@@ -387,14 +388,5 @@ def zero_grad(adapter: Adapter) -> None:
 
 
 def check_adam(spec: AdamSpec) -> None:
-    checks = [
-        ("learning_rate", spec.learning_rate, spec.learning_rate >= 0, ">= 0"),
-        ("beta1", spec.beta1, 0 <= spec.beta1 < 1, "in [0, 1)"),
-        ("beta2", spec.beta2, 0 <= spec.beta2 < 1, "in [0, 1)"),
-        ("eps", spec.eps, spec.eps >= 0, ">= 0"),
-        ("weight_decay", spec.weight_decay, spec.weight_decay >= 0, ">= 0"),
-        ("grad_clip_norm", spec.grad_clip_norm, spec.grad_clip_norm >= 0, ">= 0 (0: no clipping)"),
-    ]
-    for name, value, ok, expected in checks:
-        if not isinstance(value, int | float) or not math.isfinite(value) or not ok:
-            raise InvalidRequestError(f"adam_params.{name} must be {expected}, got {value!r}")
+    """The shared rules (treadle.engine.specs), any finite learning rate allowed here."""
+    validate_adam(spec, max_learning_rate=math.inf)

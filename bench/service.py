@@ -210,6 +210,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two modes")
     ap.add_argument("--calls", type=int, default=30, help="repeats of each minimal call")
     ap.add_argument("--quick", action="store_true", help="batch 4, seq-len 64, one round")
+    ap.add_argument(
+        "--engine-in-api",
+        action="store_true",
+        help="the server's engine on a thread of the API process (engine_processes false)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.batch, args.seq_len, args.rounds, args.calls = 4, 64, 1, 10
@@ -220,7 +225,8 @@ def main() -> None:
         engine = Engine(model_dir)
         batches = make_batches(args.steps, args.batch, args.seq_len, engine.vocab_size)
         inproc, service = [], []
-        with ServerProcess({NAME: model_dir}, Path(tmp) / "data") as server:
+        config = {"engine_processes": not args.engine_in_api}
+        with ServerProcess({NAME: model_dir}, Path(tmp) / "data", config=config) as server:
             svc = ServiceClient(base_url=server.url)
             for _ in range(args.rounds):
                 t_in, t_svc = sft_round(engine, svc, batches, spec, lr=1e-4)

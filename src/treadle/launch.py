@@ -101,6 +101,29 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def children(self) -> list[int]:
+        """The server's child processes (its engine workers)."""
+        found: list[int] = []
+        if self.proc is None:
+            return found
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                found += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers at once, as a machine crash would."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for pid in [self.proc.pid, *self.children()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM (the server drains what it acknowledged), then SIGKILL after timeout_s."""
         if self.proc and self.proc.poll() is None:

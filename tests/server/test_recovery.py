@@ -30,27 +30,6 @@ STEPS = 30
 FAST = {"snapshot_every_steps": 4}  # snapshots and replays both happen within one loop
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return found
-
-
-def kill_tree(server: ServerProcess) -> None:
-    """SIGKILL the API and its workers, all at once (as a machine crash would)."""
-    pids = [server.proc.pid, *children(server.proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    server.proc.wait()
-
-
 def data(step: int) -> list[Datum]:
     rng = np.random.default_rng(step)
     out = []
@@ -130,10 +109,10 @@ class Chaos:
             self._due.clear()
             time.sleep(self.rng.uniform(0.0, 0.3))  # land in the middle of some request
             if self.whole:
-                kill_tree(self.server)
+                self.server.kill()
                 self.server.start()
             else:
-                for pid in children(self.server.proc.pid):
+                for pid in self.server.children():
                     os.kill(pid, signal.SIGKILL)
             self.kills += 1
 
@@ -178,7 +157,7 @@ def test_a_grpo_loop_killed_while_sampling(tiny_model_dir, tmp_path):
             params = SamplingParams(max_tokens=6, temperature=1.0, seed=step)
             futures = [sampler.sample(ModelInput.from_ints(p), 4, params) for p in prompts]
             if step in (1, 2):
-                kill_tree(server)  # with every sample of the step in flight
+                server.kill()  # with every sample of the step in flight
                 server.start()
             datums = []
             for prompt, fut in zip(prompts, futures, strict=True):
@@ -229,7 +208,7 @@ def test_the_tinker_sdk_rides_out_a_restart(tiny_model_dir, tmp_path):
             fb = tc.forward_backward(batch, "cross_entropy")
             op = tc.optim_step(T.AdamParams(learning_rate=1e-2))
             if step == 4:
-                kill_tree(server)
+                server.kill()
                 server.start()
             fb.result()
             op.result()
@@ -259,3 +238,60 @@ def test_sigterm_runs_what_was_acknowledged(tiny_model_dir, tmp_path):
     svc.close()
     server.stop()
     assert steps_in_state(tmp_path / "data", path) == 12
+
+
+def test_one_models_worker_dies_and_the_others_keep_serving(tiny_model_dir, tmp_path):
+    """Two served models, two workers: killing one's worker leaves the other answering
+    while it comes back; its own requests wait for it and then run."""
+    second = "treadle/tiny-llama-b"
+    models = {TINY: tiny_model_dir, second: tiny_model_dir}
+    server = ServerProcess(models, tmp_path / "data", config=FAST).start()
+    try:
+        svc = ServiceClient(base_url=server.url)
+        a = svc.create_lora_training_client(TINY, rank=4, seed=1)
+        b = svc.create_lora_training_client(second, rank=4, seed=1)
+        a.forward_backward(data(0), "cross_entropy").result()
+        b.forward_backward(data(0), "cross_entropy").result()
+        pids = server.children()
+        assert len(pids) == 2
+        victim = next(
+            p for p in pids if "tiny-llama-b.json" in Path(f"/proc/{p}/cmdline").read_text()
+        )
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        waiting = b.forward(PROBE, "cross_entropy")  # the dead one's: waits for its return
+        a.forward(PROBE, "cross_entropy").result(timeout=30)  # the other one answers now
+        answered_a = time.monotonic() - t0
+        waiting.result(timeout=120)
+        assert answered_a < 5 and not waiting.exception()
+        assert len(server.children()) == 2
+        svc.close()
+    finally:
+        server.stop()
+    assert "worker process" in server.log() and "exited" in server.log()
+
+
+def test_a_future_never_hangs_on_an_engine_that_does_not_come_back(tiny_model_dir, tmp_path):
+    """The model's folder disappears, so its worker cannot start again: after
+    engine_down_timeout_s the waiting requests fail with a clear, retryable error."""
+    import shutil
+
+    from treadle.client.errors import APIError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = {**FAST, "engine_down_timeout_s": 3.0}
+    server = ServerProcess({TINY: model}, tmp_path / "data", config=config).start()
+    try:
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4)
+        tc.forward_backward(data(0), "cross_entropy").result()
+        shutil.rmtree(model)
+        for pid in server.children():
+            os.kill(pid, signal.SIGKILL)
+        waiting = tc.forward(PROBE, "cross_entropy")
+        with pytest.raises(APIError, match="down for over"):
+            waiting.result(timeout=60)
+        svc.close()
+    finally:
+        server.stop()

@@ -127,7 +127,7 @@ def _build_state(
     keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
     admission = Admission(config.limits, quotas, config.rate_window_s)
     engines = Engines()
-    futures_ = Futures(journal, FutureBoard(loop), admission, config.long_poll_s)
+    futures_ = Futures(journal, FutureBoard(loop), admission, config.long_poll_s, config.durable)
     sessions_ = Sessions(store, journal, admission)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
@@ -176,7 +176,7 @@ class _ThreadEngines:
                     state.futures.finish,
                     config.max_sample_batch,
                     max_merge_tokens=config.max_merge_tokens,
-                    on_snapshot=self.recovery.snapshot_written,
+                    on_snapshot=self.recovery.snapshot_written if config.durable else None,
                     snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
                 )
             )

@@ -105,6 +105,9 @@ class ServerConfig(BaseModel):
     """The secret a worker must present (default: $TREADLE_WORKER_TOKEN, else random)."""
     engine_down_timeout_s: float = 120.0
     """Requests waiting for a model whose worker is gone this long fail (EngineDeadError)."""
+    durable: bool = True
+    """Keep the op log and state snapshots, so that a crash loses nothing acknowledged
+    (false: a crash loses every session's state since its last save_state; benchmarks)."""
     snapshot_every_steps: int = 10
     """A model's state (adapter, AdamW, accumulated gradients) is written every this many
     optimizer steps, so that recovery replays at most that many."""

@@ -71,7 +71,7 @@ class Worker:
             self._outcomes,
             config.max_sample_batch,
             max_merge_tokens=config.max_merge_tokens,
-            on_snapshot=self._snapshot,
+            on_snapshot=self._snapshot if config.durable else None,
             snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
             report_replays=True,
         )

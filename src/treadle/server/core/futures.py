@@ -71,9 +71,15 @@ class Polled:
 
 class Futures:
     def __init__(
-        self, journal: Journal, board: FutureBoard, admission: Admission, long_poll_s: float
+        self,
+        journal: Journal,
+        board: FutureBoard,
+        admission: Admission,
+        long_poll_s: float,
+        durable: bool = True,
     ):
         self.journal = journal
+        self.durable = durable  # write each op's payload to the op log
         self.board = board
         self.admission = admission
         self.long_poll_s = long_poll_s
@@ -129,7 +135,7 @@ class Futures:
             "sampling_session_id": sampling_session_id,
             "seq_id": seq_id,
             "dedup_key": key,
-            "payload": op.encoded,
+            "payload": op.encoded if self.durable else None,
         }
         self.expect(op.request_id, kind, tenant.tenant_id)
         committed = self.journal.run(

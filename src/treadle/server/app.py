@@ -32,6 +32,7 @@ from treadle.server.api.tinker import (
     treadle,
     weights,
 )
+from treadle.server.api.tinker.bodies import BodyLimit, limit_by_route
 from treadle.server.config import ServerConfig
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
@@ -49,6 +50,8 @@ from treadle.server.runtime.engine_client import EngineFacts
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.scheduler import ParkLimits
+from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import SessionRow
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
@@ -72,6 +75,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        root = packages_root(config)
+        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         failed = store.fail_unfinished("the server restarted before this request finished")
         if failed:
@@ -115,7 +120,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_exception_handler(Exception, api_errors.handle_error)
     app.add_exception_handler(RequestValidationError, api_errors.handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, api_errors.handle_http_error)
-    app.add_middleware(TenantMiddleware)
+    app.add_middleware(BodyLimit, limit_of=limit_by_route(config.limits))
+    app.add_middleware(TenantMiddleware)  # added last: runs first, before any body is read
     return app
 
 
@@ -162,6 +168,7 @@ def _engine_loop(name: str, engine: Any, state: ServerState, config: ServerConfi
         state.futures.finish,
         config.max_sample_batch,
         max_merge_tokens=config.max_merge_tokens,
+        park=ParkLimits(config.max_parked_ops, config.max_parked_bytes, config.parked_op_timeout_s),
     )
 
 

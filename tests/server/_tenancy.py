@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 
 from treadle.launch import ServerProcess
-from treadle.server.tenancy import tenants
 from treadle.server.storage.database import Store
+from treadle.server.tenancy import tenants
 from treadle.types import Datum, ModelInput, TensorData
 from treadle.wire import codec
 

@@ -415,7 +415,9 @@ def test_healthz_stays_fast_while_hostile_requests_are_refused(server, alice):
         assert resp.status_code in (400, 413), (what, resp.status_code, resp.text[:300])
         latencies.sort()
         median, worst = latencies[len(latencies) // 2], latencies[-1]
-        print(f"{what}: healthz median {median * 1e3:.1f} ms, max {worst * 1e3:.1f} ms, +{grew_mb:.0f} MB")
+        print(
+            f"{what}: healthz median {median * 1e3:.1f} ms, max {worst * 1e3:.1f} ms, +{grew_mb:.0f} MB"
+        )
         assert worst < 0.5 and median < 0.1, (
             what,
             f"healthz median {median:.3f} s, max {worst:.3f} s",

@@ -111,7 +111,8 @@ def sample_request(
         raise InvalidRequestError(
             f"prompt: length {P} leaves no room to sample (max_seq_len {max_len})"
         )
-    prompt = np.asarray(_ints(req.prompt.to_ints(), "prompt"), dtype=np.int64)
+    prompt = _ints(req.prompt.to_ints(), "prompt")
+    check_ids(prompt, facts.vocab_size, "prompt")
     if not 1 <= req.num_samples <= MAX_NUM_SAMPLES:
         raise InvalidRequestError(
             f"num_samples: expected 1..{MAX_NUM_SAMPLES}, got {req.num_samples}"

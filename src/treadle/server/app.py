@@ -33,6 +33,7 @@ from treadle.server.api.tinker import (
     treadle,
     weights,
 )
+from treadle.server.api.tinker.bodies import BodyLimit, limit_by_route
 from treadle.server.config import ServerConfig
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
@@ -52,7 +53,9 @@ from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
+from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor
+from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
@@ -75,6 +78,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        root = packages_root(config)
+        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
@@ -116,7 +121,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_exception_handler(Exception, api_errors.handle_error)
     app.add_exception_handler(RequestValidationError, api_errors.handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, api_errors.handle_http_error)
-    app.add_middleware(TenantMiddleware)
+    app.add_middleware(BodyLimit, limit_of=limit_by_route(config.limits))
+    app.add_middleware(TenantMiddleware)  # added last: runs first, before any body is read
     return app
 
 
@@ -146,6 +152,10 @@ def _build_state(
         keyring=keyring,
         signer=Signer(),
     )
+
+
+def park_limits(config: ServerConfig) -> ParkLimits:
+    return ParkLimits(config.max_parked_ops, config.max_parked_bytes, config.parked_op_timeout_s)
 
 
 def _tokenizer_dir(model_path: str, config: ServerConfig) -> Path:
@@ -178,6 +188,7 @@ class _ThreadEngines:
                     max_merge_tokens=config.max_merge_tokens,
                     on_snapshot=self.recovery.snapshot_written if config.durable else None,
                     snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
+                    park=park_limits(config),
                 )
             )
         self.recovery.load()

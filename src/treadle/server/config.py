@@ -57,9 +57,18 @@ class InputLimits(BaseModel):
     max_body_bytes: int = 64 << 20
     """Bytes of one forward_backward body, received or decompressed (413 beyond); the SDKs
     send chunks of about 5 MB."""
+    max_json_body_bytes: int = 4 << 20
+    """Bytes of any JSON request body (413 beyond, refused before it is parsed). JSON is
+    parsed on the event loop; this bound keeps one parse to tens of milliseconds."""
+    max_import_bytes: int = 8 << 30
+    """Bytes of one uploaded adapter archive (checkpoint import), streamed to disk."""
     max_request_cells: int = 1 << 24
-    """Numbers in the loss_fn_inputs of one forward_backward request, counted before they
-    are allocated (a sparse tensor declares a large shape in a few bytes)."""
+    """Numbers in the loss_fn_inputs of one forward_backward request, or in a sample
+    request's target_prompt_logprobs table, counted before they are allocated (a sparse
+    tensor declares a large shape in a few bytes)."""
+    max_result_cells: int = 1 << 20
+    """(token id, logprob) cells one sample request may ask for: top-K prompt and sample
+    logprobs and alternative prompt tokens, counted from the request before sampling."""
 
 
 class ServerConfig(BaseModel):
@@ -91,6 +100,14 @@ class ServerConfig(BaseModel):
     max_merge_tokens: int = 65536
     """Consecutive forward/forward_backward requests of one model (the chunks of a big batch)
     share one engine call up to this many tokens; the first always runs."""
+    max_parked_ops: int = 1024
+    """Requests of one training model held while they wait for an earlier seq_id that has
+    not arrived (a gap); one more is refused at once with an error naming this bound."""
+    max_parked_bytes: int = 1 << 30
+    """Bytes of the data those parked requests hold, per training model (same refusal)."""
+    parked_op_timeout_s: float = 600.0
+    """How long a parked request waits for the seq_id it needs; past it, it fails with an
+    error naming the missing seq_id, and the model carries on after it."""
     log_level: str = "info"
     """debug, info, warning or error."""
     engine_processes: bool = True
@@ -133,7 +150,7 @@ class ServerConfig(BaseModel):
             raise ValueError("models: serve at least one model (NAME=PATH)")
         return v
 
-    @field_validator("heartbeat_timeout_s", "long_poll_s")
+    @field_validator("heartbeat_timeout_s", "long_poll_s", "parked_op_timeout_s")
     @classmethod
     def _positive(cls, v: float) -> float:
         if v <= 0:

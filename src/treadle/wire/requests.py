@@ -7,9 +7,9 @@ models check them. Tensors, datums and results themselves live in treadle.types.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from treadle.types import (
     AdamParams,
@@ -20,6 +20,41 @@ from treadle.types import (
     SupportedModel,
     TrainingRun,
 )
+
+# ---- bounded fields -------------------------------------------------------------------------
+# Every integer a request carries is stored or compared as an int64 somewhere (SQLite, numpy,
+# torch): one outside that range is a 400 naming its field, never an overflow deeper in.
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+SeqId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+"""seq_id, model_seq_id, sampling_session_seq_id: a non-negative int64."""
+
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY_CHARS = 256
+MAX_METADATA_VALUE_CHARS = 4096
+
+
+def _check_metadata(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > MAX_METADATA_ENTRIES:
+        raise ValueError(f"at most {MAX_METADATA_ENTRIES} entries, got {len(value)}")
+    for key, text in value.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY_CHARS:
+            raise ValueError(
+                f"keys hold 1 to {MAX_METADATA_KEY_CHARS} characters, got one of {len(key)}"
+            )
+        if len(text) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(
+                f"value of {key[:40]!r}: at most {MAX_METADATA_VALUE_CHARS} characters, "
+                f"got {len(text)}"
+            )
+    return value
+
+
+UserMetadata = Annotated[dict[str, str], AfterValidator(_check_metadata)]
+"""user_metadata of a session, model or checkpoint: string keys to string values (what every
+reply model returns), at most 64 entries of 256-character keys and 4096-character values."""
+ShortText = Annotated[str, Field(max_length=256)]
+Tags = Annotated[list[ShortText], Field(max_length=64)]
 
 
 class _Body(BaseModel):
@@ -55,11 +90,11 @@ class ClientDynamicConfigResponse(_Body):
 
 
 class CreateSessionRequest(_Body):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata | None = None
+    sdk_version: ShortText | None = None
+    project_id: ShortText | None = None
+    display_name: ShortText | None = None
     type: Literal["create_session"] = "create_session"
 
 
@@ -143,9 +178,9 @@ class OptimizerConfig(_Body):
 
 class CreateModelRequest(_Body):
     session_id: str
-    model_seq_id: int
+    model_seq_id: SeqId
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
     # treadle: saves of this model become versions of this model package group
@@ -178,7 +213,7 @@ class OptimStepRequest(_Body):
     """The SDK sends `adam_params`, or `optimizer_params` for other optimizers."""
 
     model_id: str
-    seq_id: int | None = None
+    seq_id: SeqId | None = None
     adam_params: AdamParams | None = None
     optimizer_params: dict[str, Any] | None = None
     type: Literal["optim_step"] = "optim_step"
@@ -192,10 +227,10 @@ class SaveWeightsRequest(_Body):
 
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: Int64 | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -205,11 +240,11 @@ class SaveWeightsForSamplerRequest(_Body):
 
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: SeqId | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: Int64 | None = None
+    user_metadata: UserMetadata | None = None
     merge_weights: bool = False  # treadle: also publish a merged HF model version
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
@@ -219,11 +254,11 @@ class LoadWeightsRequest(_Body):
     session_id + model_seq_id, creating model "<session_id>:train:<model_seq_id>"."""
 
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: SeqId | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: SeqId | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     path: str
     optimizer: bool = False
     optimizer_config: OptimizerConfig | None = None
@@ -297,7 +332,7 @@ class GetSessionResponse(_Body):
 
 class CreateSamplingSessionRequest(_Body):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: SeqId
     base_model: str | None = None
     model_path: str | None = None
     type: Literal["create_sampling_session"] = "create_sampling_session"
@@ -317,19 +352,19 @@ class GetSamplerResponse(_Body):
 class SampleRequest(_Body):
     """POST asample. The reply must carry one `sample_sequence_ids` entry per sample."""
 
-    num_samples: int = 1
+    num_samples: Int64 = 1
     prompt: ModelInput
     sampling_params: SamplingParams
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: SeqId | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: Int64 = 0
+    topk_sample_logprobs: Int64 = 0
     # the SDK's TensorData JSON, dense or sparse CSR: validation.target_prompt_ids reads it
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: Int64 = 0
+    prompt_logprobs_last_n: Int64 | None = None
     record_stability_info: bool | None = None
     type: Literal["sample"] = "sample"

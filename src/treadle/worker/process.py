@@ -48,7 +48,7 @@ HELLO_EVERY_S = 1.0
 
 class Worker:
     def __init__(self, config: ServerConfig, name: str, path: str, address: str, token: str):
-        from treadle.server.app import default_engine_factory
+        from treadle.server.app import default_engine_factory, park_limits
 
         self.config = config
         self.token = token
@@ -74,6 +74,7 @@ class Worker:
             on_snapshot=self._snapshot if config.durable else None,
             snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
             report_replays=True,
+            park=park_limits(config),
         )
         self.channel = Channel(
             zmq.DEALER,

@@ -220,12 +220,12 @@ class Futures:
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:
-        """Long-poll a future for its HTTP reply: held until it finishes or long_poll_s."""
+        """Long-poll a future for its HTTP reply: held until it finishes or long_poll_s.
+        Another tenant's future is looked up in the database like an unknown one (same
+        cost, same 404)."""
         filed = self.board.get(request_id)
         owner = self.owners.get(request_id)
-        if filed is not None and owner is not None:
-            if not owns(owner):
-                raise NotFoundError(f"request_id {request_id!r} not found")
+        if filed is not None and owner is not None and owns(owner):
             outcome = await self.board.wait(filed, self.long_poll_s)
             if outcome is None:
                 return Polled(filed.kind, None)

@@ -50,8 +50,13 @@ class TrainingModels:
         self._rows: dict[str, ModelRow] = {}  # training models made by this process
 
     def row(self, model_id: str) -> ModelRow | None:
+        """The caller's model, from memory or its row. Another tenant's is read from the
+        database like an unknown id (the read is filtered to the caller's rows, so it finds
+        nothing): both cost the same, and a leaked id's liveness cannot be timed."""
         found = self._rows.get(model_id)
-        return found if found is not None else self.store.get(ModelRow, model_id)
+        if found is not None and owns(found.tenant_id):
+            return found
+        return self.store.get(ModelRow, model_id)
 
     def require(self, model_id: str, field: str = "model_id") -> ModelRow:
         """A loaded model of the caller's tenant whose session is active, else 404/410."""

@@ -43,15 +43,14 @@ class Samplers:
         self._rows: dict[str, SamplingSessionRow] = {}
 
     async def get(self, sampling_session_id: str) -> SamplingSessionRow:
-        """The caller's sampling session (of this run or a previous one), else 404."""
+        """The caller's sampling session (of this run or a previous one), else 404. Another
+        tenant's is read from the database like an unknown id (same cost, same 404)."""
         row = self._rows.get(sampling_session_id)
-        if row is None:  # made by a snapshot on the engine thread, or by a previous run
+        if row is None or not owns(row.tenant_id):  # made by a snapshot, a previous run, ...
             row = await asyncio.to_thread(self.store.get, SamplingSessionRow, sampling_session_id)
             if row is None or not owns(row.tenant_id):
                 raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
             self._rows[sampling_session_id] = row
-        if not owns(row.tenant_id):
-            raise NotFoundError(f"sampling_session_id {sampling_session_id!r} not found")
         return row
 
     async def require_live(self, sampling_session_id: str) -> SamplingSessionRow:

@@ -57,14 +57,17 @@ class Sessions:
         return session_id
 
     def require(self, session_id: str) -> None:
-        """An active session of this process (and a sign of life from it), else 404/410."""
+        """An active session of this process (and a sign of life from it), else 404/410.
+
+        Another tenant's session is looked up exactly as an unknown id is (one database
+        read, then 404): answering it from memory would be faster, and the difference would
+        tell whoever holds a leaked id that it is live."""
         owner = self._tenant.get(session_id)
-        if owner is not None and not owns(owner):
-            raise NotFoundError(f"session_id {session_id!r} not found")
-        if session_id in self._last_seen:
+        mine = owner is not None and owns(owner)
+        if mine and session_id in self._last_seen:
             self._last_seen[session_id] = time.monotonic()
             return
-        status = self._ended.get(session_id)
+        status = self._ended.get(session_id) if mine else None
         if status is None:  # not one of ours: ended by a previous run, or no such session
             row = self.store.get(SessionRow, session_id)
             if row is None or not owns(row.tenant_id):

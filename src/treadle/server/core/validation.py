@@ -22,6 +22,7 @@ from treadle.engine.specs import (
 from treadle.engine.types import AdamSpec, LoraSpec, SampleSpec, TrainDatum
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.errors import InvalidRequestError
+from treadle.server.config import InputLimits
 from treadle.server.runtime.engine_client import EngineFacts
 from treadle.server.runtime.ops import TrainData
 from treadle.types import LoraConfig
@@ -30,6 +31,14 @@ from treadle.wire.requests import OptimStepRequest, SampleRequest
 
 MAX_NUM_SAMPLES = 256
 MAX_LORA_ALPHA = 1e6
+INT64 = (-(2**63), 2**63 - 1)
+DEFAULT_LIMITS = InputLimits()
+
+
+def _int64(value: int | None, field: str) -> None:
+    """Seeds reach torch as int64: one outside that range is the caller's mistake."""
+    if value is not None and not INT64[0] <= value <= INT64[1]:
+        raise InvalidRequestError(f"{field}: expected a 64-bit integer, got {value}")
 
 
 def train_data(fb: ForwardBackwardArrays, facts: EngineFacts) -> TrainData:
@@ -68,6 +77,7 @@ def lora_spec(cfg: LoraConfig, facts: EngineFacts) -> LoraSpec:
         raise InvalidRequestError(
             "lora_config: at least one of train_attn/mlp/unembed must be true"
         )
+    _int64(cfg.seed, "lora_config.seed")
     alpha = float(cfg.alpha) if cfg.alpha is not None else 32.0
     if not math.isfinite(alpha) or not 0 < alpha <= MAX_LORA_ALPHA:
         raise InvalidRequestError(
@@ -84,25 +94,36 @@ def lora_spec(cfg: LoraConfig, facts: EngineFacts) -> LoraSpec:
 
 
 def sample_request(
-    req: SampleRequest, adapter: str | None, facts: EngineFacts, default_max_tokens: int | None
+    req: SampleRequest,
+    adapter: str | None,
+    facts: EngineFacts,
+    default_max_tokens: int | None,
+    limits: InputLimits = DEFAULT_LIMITS,
 ) -> EngineSampleRequest:
-    """Validate an asample body and translate it into the engine's request."""
-    prompt = req.prompt.to_ints()
-    P, max_len = len(prompt), facts.max_seq_len
+    """Validate an asample body and translate it into the engine's request.
+
+    Sizes come first: the cells of every requested table (target ids, top-K logprobs,
+    alternative tokens) are checked against `limits` before any of them exists."""
+    P, max_len = req.prompt.length, facts.max_seq_len
     if P == 0:
         raise InvalidRequestError("prompt: expected at least one token, got none")
-    check_ids(prompt, facts.vocab_size, "prompt")
     if P >= max_len:
         raise InvalidRequestError(
             f"prompt: length {P} leaves no room to sample (max_seq_len {max_len})"
         )
+    prompt = _ints(req.prompt.to_ints(), "prompt")
+    check_ids(prompt, facts.vocab_size, "prompt")
     if not 1 <= req.num_samples <= MAX_NUM_SAMPLES:
         raise InvalidRequestError(
             f"num_samples: expected 1..{MAX_NUM_SAMPLES}, got {req.num_samples}"
         )
+    _int64(req.sampling_params.seed, "sampling_params.seed")
+    _check_result_cells(req, P, limits.max_result_cells)
     target_ids = None
     if req.target_prompt_logprobs is not None:
-        target_ids = target_prompt_ids(req.target_prompt_logprobs, P, facts.vocab_size)
+        target_ids = target_prompt_ids(
+            req.target_prompt_logprobs, P, facts.vocab_size, limits.max_request_cells
+        )
     if req.prompt_logprobs_last_n is not None:
         if not req.prompt_logprobs:
             raise InvalidRequestError("prompt_logprobs_last_n: needs prompt_logprobs=true")
@@ -146,12 +167,44 @@ def sample_request(
     return out
 
 
-def target_prompt_ids(td: dict[str, Any], prompt_len: int, vocab_size: int) -> np.ndarray:
+def _check_result_cells(req: SampleRequest, P: int, max_cells: int) -> None:
+    """The tables a sample request asks for, by their cells, before anything is made: each
+    cell is a (token id, logprob) the engine computes, stores and sends back."""
+    sp = req.sampling_params
+    samples = req.num_samples * (sp.max_tokens if sp.max_tokens is not None else 1)
+    asked = {
+        "topk_prompt_logprobs": max(req.topk_prompt_logprobs, 0) * (P - 1),
+        "prompt_alt_tokens_k": max(req.prompt_alt_tokens_k, 0) * (P - 1),
+        "topk_sample_logprobs": max(req.topk_sample_logprobs, 0) * max(samples, 0),
+    }
+    if sum(asked.values()) > max_cells:
+        detail = ", ".join(f"{k} {v}" for k, v in asked.items() if v)
+        raise InvalidRequestError(
+            f"this request asks for {sum(asked.values())} logprob cells ({detail}), over the "
+            f"input limit max_result_cells {max_cells}; ask for fewer columns or a shorter "
+            "prompt"
+        )
+
+
+def _ints(values: list[int], field: str) -> list[int]:
+    """Token ids beyond int64 are outside any vocabulary: refused before numpy sees them."""
+    if values and not (INT64[0] <= min(values) and max(values) <= INT64[1]):
+        raise InvalidRequestError(f"{field}: token ids must be 64-bit integers")
+    return values
+
+
+def target_prompt_ids(
+    td: dict[str, Any],
+    prompt_len: int,
+    vocab_size: int,
+    max_cells: int = DEFAULT_LIMITS.max_request_cells,
+) -> np.ndarray:
     """The SDK's target_prompt_logprobs TensorData JSON → (P-1, K) int64 ids, -1 = none.
 
     Dense: `data` holds all P-1 rows of K. Sparse CSR (TensorData.from_torch_sparse with
     pad -1): `sparse_crow_indices` / `sparse_col_indices` list the requested cells and `data`
-    their ids; every other cell asks for nothing.
+    their ids; every other cell asks for nothing. The (P-1, K) table is checked against
+    `max_cells` (and K against the top-K bound) before it exists.
     """
     field = "target_prompt_logprobs"
     if td.get("dtype") != "int64":
@@ -163,10 +216,17 @@ def target_prompt_ids(td: dict[str, Any], prompt_len: int, vocab_size: int) -> n
         raise InvalidRequestError(
             f"{field}.shape: expected [{prompt_len - 1}, K] (prompt length - 1 rows), got {shape}"
         )
-    rows, K = int(shape[0]), int(shape[1])
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise InvalidRequestError(f"{field}.shape: expected two integers, got {shape}")
+    rows, K = shape
     if not 1 <= K <= MAX_TOPK_COLUMNS:  # checked before the dense (P-1, K) ids exist
         raise InvalidRequestError(
             f"{field}.shape: expected 1 <= K <= {MAX_TOPK_COLUMNS} columns, got {shape}"
+        )
+    if rows * K > max_cells:
+        raise InvalidRequestError(
+            f"{field}.shape: {shape} holds {rows * K} cells, over the input limit "
+            f"max_request_cells {max_cells}"
         )
     try:
         values = np.asarray(td.get("data") or [], dtype=np.int64)
@@ -193,7 +253,7 @@ def target_prompt_ids(td: dict[str, Any], prompt_len: int, vocab_size: int) -> n
                 )
             ids = np.full((rows, K), -1, dtype=np.int64)  # (P-1, K)
             ids[np.repeat(np.arange(rows), np.diff(crow_a)), col_a] = values
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError, IndexError) as e:
         if isinstance(e, InvalidRequestError):
             raise
         raise InvalidRequestError(f"{field}: expected integer token ids ({e})") from e

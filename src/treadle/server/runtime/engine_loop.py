@@ -39,8 +39,13 @@ from treadle.server.runtime.executor import Deferred, OpExecutor, StateSnapshot
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome
 from treadle.server.runtime.scheduler import (
     DEFAULT_MAX_MERGE_TOKENS,
+    DEFAULT_PARK_LIMITS,
     ModelQueue,
+    ParkLimits,
     Step,
+    enqueue,
+    expire_parked,
+    parked_deadline,
     plan_round,
 )
 
@@ -63,8 +68,10 @@ class EngineLoop(EngineClient):
         on_snapshot: OnSnapshot | None = None,
         snapshots: SnapshotPolicy | None = None,
         report_replays: bool = False,
+        park: ParkLimits = DEFAULT_PARK_LIMITS,
     ):
         self.facts = facts
+        self.park = park
         self.executor = executor
         self._on_outcomes = on_outcomes
         self._on_snapshot = on_snapshot
@@ -126,7 +133,8 @@ class EngineLoop(EngineClient):
             elif op.kind == OpKind.SAMPLE:
                 self.samples.append(op)
             elif (queue := self.queues.get(op.model_id)) is not None:
-                queue.pending[op.seq_id] = op
+                if (why := enqueue(queue, op, self.park)) is not None:  # parked-op bounds
+                    refused = Outcome.failed(op.request_id, why)
             else:  # its session ended since the API checked
                 refused = Outcome.failed(
                     op.request_id, NotFoundError(f"model {op.model_id!r} was unloaded")
@@ -256,11 +264,19 @@ class EngineLoop(EngineClient):
         while True:
             with self._cond:
                 while not self._stopping and not self._has_work_locked():
-                    self._cond.wait()
+                    if not self._cond.wait(self._parked_wait_s()):
+                        break  # a parked op's deadline
                 if self._stopping:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
+                now = time.monotonic()
+                expired = [
+                    o
+                    for m, q in self.queues.items()
+                    for o in expire_parked(m, q, now, self.park.timeout_s)
+                ]
+            self._finish(expired)
             # Control calls (drop a session's adapters, load a sampler) go before planning,
             # so that a round never runs an op of a model a call just removed.
             for fn, fut in calls:
@@ -291,6 +307,12 @@ class EngineLoop(EngineClient):
         for _, fut in calls:
             fut.set_exception(dead)
         self._finish([Outcome.failed(op.request_id, dead) for op in ops])
+
+    def _parked_wait_s(self) -> float | None:
+        """Until the first deadline of an op parked behind a gap (None: no such op)."""
+        deadlines = [parked_deadline(q, self.park.timeout_s) for q in self.queues.values()]
+        first = min((d for d in deadlines if d is not None), default=None)
+        return None if first is None else max(0.0, first - time.monotonic())
 
     def _has_work_locked(self) -> bool:
         if self._calls or self.samples or self.deferred:

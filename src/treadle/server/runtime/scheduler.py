@@ -1,7 +1,8 @@
-"""The scheduling rule: which queued ops run in the next round, grouped into engine calls.
+"""The scheduling rule: which queued ops run in the next round, grouped into engine calls,
+and the rules for ops parked behind a gap in their model's seq_ids.
 
-A pure function of the queues (`plan_round`), tested alone; the engine loop
-(treadle.server.runtime.engine_loop) calls it once per round.
+Functions of the queues (`plan_round`, `enqueue`, `expire_parked`), tested alone; the
+engine loop (treadle.server.runtime.engine_loop) calls them under its lock.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from treadle.server.runtime.ops import TRAIN_KINDS, Op, OpKind, TrainData
+from treadle.errors import ErrorInfo, InvalidRequestError
+from treadle.server.runtime.ops import TRAIN_KINDS, Op, OpKind, Outcome, Skip, TrainData
 
 # Consecutive train ops of one model merged into one engine call hold at most this many tokens.
 DEFAULT_MAX_MERGE_TOKENS = 65536
@@ -21,6 +23,123 @@ class ModelQueue:
 
     next_seq: int = 0
     pending: dict[int, Op] = field(default_factory=dict)
+    # Of the ops parked behind a gap: their sizes, and which are stand-ins of refused ones.
+    parked_bytes: dict[int, int] = field(default_factory=dict)
+    stand_ins: set[int] = field(default_factory=set)
+
+    def first_gap(self) -> int:
+        """The first seq_id, from next_seq on, that has not arrived."""
+        seq = self.next_seq
+        while seq in self.pending:
+            seq += 1
+        return seq
+
+
+@dataclass(frozen=True)
+class ParkLimits:
+    """Per model: how many ops may wait behind a gap, holding how many bytes, for how long
+    (ServerConfig max_parked_ops, max_parked_bytes, parked_op_timeout_s)."""
+
+    max_ops: int = 1024
+    max_bytes: int = 1 << 30
+    timeout_s: float = 600.0
+
+
+DEFAULT_PARK_LIMITS = ParkLimits()  # the ServerConfig defaults
+
+
+def op_bytes(op: Op) -> int:
+    """The memory an op holds: the arrays of its train data (other payloads are small)."""
+    if not isinstance(op.payload, TrainData):
+        return 0
+    return sum(
+        d.tokens.nbytes + sum(getattr(a, "nbytes", 0) for a in d.loss_inputs.values())
+        for d in op.payload.data
+    )
+
+
+def enqueue(queue: ModelQueue, op: Op, limits: ParkLimits) -> InvalidRequestError | None:
+    """Queue a model's op in its seq_id's place, or say why not.
+
+    An op at or before the first gap in the model's seq_ids waits its turn. One behind the
+    gap is parked, and a model's parked ops hold at most `limits.max_ops` ops and
+    `limits.max_bytes` bytes: one more is refused, and a stand-in holds its place (its
+    failure, which runs in its turn, so that the ops after it do not wait for it), as for
+    any request refused at the edge; stand-ins are bounded by max_ops too, and a refused op
+    with no room left for one leaves a gap, closed at the deadline (expire_parked). An op
+    whose seq_id the model has moved past (expire_parked closed it) is refused.
+    """
+    if op.seq_id < queue.next_seq:
+        return InvalidRequestError(
+            f"seq_id {op.seq_id} of model {op.model_id!r} was given up: the requests after "
+            "it waited past parked_op_timeout_s and were cancelled; the model continues "
+            f"from seq_id {queue.next_seq}"
+        )
+    gap = queue.first_gap()
+    if op.seq_id <= gap:
+        queue.pending[op.seq_id] = op
+        return None
+    parked = {seq: o for seq, o in queue.pending.items() if seq > gap}
+    queue.stand_ins &= parked.keys()
+    held_bytes = {s: queue.parked_bytes.get(s) or op_bytes(o) for s, o in parked.items()}
+    queue.parked_bytes = held_bytes
+    ops, held, size = len(parked) - len(queue.stand_ins), sum(held_bytes.values()), op_bytes(op)
+    if ops + 1 > limits.max_ops:
+        over = f"max_parked_ops {limits.max_ops} (already {ops} waiting)"
+    elif held + size > limits.max_bytes:
+        over = f"max_parked_bytes {limits.max_bytes} (already {held} bytes, this one {size})"
+    else:
+        queue.pending[op.seq_id], held_bytes[op.seq_id] = op, size
+        return None
+    error = InvalidRequestError(
+        f"seq_id {op.seq_id} of model {op.model_id!r} is refused: it would wait for seq_id "
+        f"{gap}, which has not arrived, and the requests waiting for it reach the server's "
+        f"bound {over}; send seq_id {gap} first"
+    )
+    if len(queue.stand_ins) < limits.max_ops:
+        skip = Skip(ErrorInfo.of(error))
+        queue.pending[op.seq_id] = Op(op.request_id, OpKind.SKIP, skip, op.model_id, op.seq_id)
+        queue.stand_ins.add(op.seq_id)
+    return error
+
+
+def parked_deadline(queue: ModelQueue, timeout_s: float) -> float | None:
+    """When the oldest op of a stalled model (its next seq_id missing) times out, or None."""
+    if not queue.pending or queue.next_seq in queue.pending:
+        return None
+    return min(op.enqueued_at for op in queue.pending.values()) + timeout_s
+
+
+def expire_parked(model_id: str, queue: ModelQueue, now: float, timeout_s: float) -> list[Outcome]:
+    """Give up a stalled model's missing seq_id once the first op waiting for it has waited
+    `timeout_s`: every op waiting behind it fails, naming it, and the model moves past them.
+
+    Only a stalled model (its next seq_id missing) is touched, so ops that can run are never
+    failed. All its queued ops wait for the same missing seq_id, so they fail together, and
+    the model's next seq_id becomes the highest of them + 1: the seq_ids left out are closed
+    (a late one is refused), and the requests a user sends from then on run, as a user
+    whose loop has moved on expects. Stand-ins go without a word: their requests have
+    failed already.
+    """
+    deadline = parked_deadline(queue, timeout_s)
+    if deadline is None or deadline > now:
+        return []
+    gap, last = queue.next_seq, max(queue.pending)
+    failed = []
+    for seq in sorted(queue.pending):
+        op = queue.pending.pop(seq)
+        if seq in queue.stand_ins:
+            continue
+        error = InvalidRequestError(
+            f"seq_id {gap} of model {model_id!r} did not arrive within parked_op_timeout_s "
+            f"({timeout_s:g} s); the requests that waited for it (seq_id {seq} among them) "
+            f"are cancelled, and the model continues from seq_id {last + 1}"
+        )
+        failed.append(Outcome.failed(op.request_id, error))
+    queue.parked_bytes.clear()
+    queue.stand_ins.clear()
+    queue.next_seq = last + 1
+    return failed
 
 
 @dataclass

@@ -9,12 +9,22 @@ on disk: <data_dir>/artifacts/<run_id>/<weights|sampler_weights|external_weights
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from treadle.errors import InvalidRequestError
+
+log = logging.getLogger("treadle.artifacts")
+
+# Folders a write makes beside its target, gone once it commits: what an interrupted write
+# leaves (atomic_dir, LocalStore and CheckpointWriter name them so).
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".merged-")
+SCRATCH_DIRS = (".refresh",)  # per-write folders under the artifacts root
+LEFTOVER_DEPTH = 5  # artifacts/<run>/<segment>/<name>; packages/<tenant>/<group>/<version>
 
 SEGMENT_OF_TYPE = {
     "training": "weights",
@@ -81,3 +91,47 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def remove_leftovers(roots: list[Path], scratch: list[Path]) -> list[Path]:
+    """At start-up (nothing is being written): remove what interrupted writes left under
+    `roots` (the artifacts and packages folders) and the `scratch` folders (download and
+    upload caches) whole; → what was removed.
+
+    A `.old-<name>-*` folder whose `<name>` is missing is the previous copy of a checkpoint
+    an overwrite had moved aside when it was stopped: it is renamed back, not removed.
+    """
+    removed = []
+    for folder in scratch:
+        if folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    for root in roots:
+        removed += _sweep(root, LEFTOVER_DEPTH)
+    if removed:
+        log.warning("removed %d leftovers of interrupted writes: %s", len(removed), removed[:5])
+    return removed
+
+
+def _sweep(folder: Path, depth: int) -> list[Path]:
+    if depth == 0 or not folder.is_dir():
+        return []
+    removed = []
+    with os.scandir(folder) as entries:
+        dirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    for name in dirs:
+        path = folder / name
+        if name.startswith(".old-") and not (target := folder / _final_name(name)).exists():
+            path.rename(target)
+            log.warning("restored %s from its interrupted overwrite", target)
+        elif name.startswith(LEFTOVER_PREFIXES) or name in SCRATCH_DIRS:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif not name.startswith("."):
+            removed += _sweep(path, depth - 1)
+    return removed
+
+
+def _final_name(leftover: str) -> str:
+    """`.old-<name>-<8 hex>` → `<name>`."""
+    return leftover.removeprefix(".old-").rsplit("-", 1)[0]

@@ -89,7 +89,7 @@ async def sample(
         ),
         sampling_session_id=target.sampling_session_id,
     )
-    request = validation.sample_request(body, target.adapter, facts, None)
+    request = validation.sample_request(body, target.adapter, facts, None, state.config.limits)
     result = await _run(state, tenant, target, request)
     out = [Sampled(s.tokens, list(s.logprobs or []), s.stop_reason) for s in result.sequences]
     if spec.top_logprobs > 0:

@@ -28,15 +28,13 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from treadle.server.api.deps import KeyDep, StateDep, TenantDep
-from treadle.server.api.tinker.bodies import read_body
+from treadle.server.api.tinker.bodies import read_body_to_file
 from treadle.server.registry import imports, names, sources, versions
 from treadle.server.registry.bindings import check_binding
 from treadle.server.runtime.ops import PackageTarget
 from treadle.server.tenancy.auth import DEV_TENANT
 
 router = APIRouter(prefix="/api/v1/treadle/checkpoints")
-
-MAX_IMPORT_BYTES = 8 << 30
 
 
 class RetentionRequest(BaseModel):
@@ -132,15 +130,17 @@ async def import_adapter(
     of `group`, ready for create_training_client_from_state("GROUP:N")."""
     names.check_group(group, "group")
     check_binding(group, output_path, tenant == DEV_TENANT)  # the rule create_model applies
-    body = await read_body(request, MAX_IMPORT_BYTES)
     root = sources.packages_root(state.config)
     work = sources.cache_dir(root)
+    max_bytes = state.config.limits.max_import_bytes
     try:
-        folder = work / "adapter"
-        config = await asyncio.to_thread(imports.extract_adapter, body, folder, MAX_IMPORT_BYTES)
+        work.mkdir(parents=True)
+        archive, folder = work / "upload.tar", work / "adapter"
+        await read_body_to_file(request, archive, max_bytes)
+        config = await asyncio.to_thread(imports.extract_adapter, archive, folder, max_bytes)
         engine = state.engines.require(base_model or config.get("base_model_name_or_path"))
+        rank = imports.check_rank(config, engine.facts.max_lora_rank, engine.name)
         await engine.check_adapter(str(folder))
-        rank = int(config.get("r", 8))
         package = PackageTarget(
             tenant_id=tenant.tenant_id,
             group=group,

@@ -8,6 +8,7 @@ with the body (decoding and checking a large forward_backward) runs off the loop
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from treadle.errors import InvalidRequestError
@@ -86,12 +87,14 @@ async def create_model(state: ServerState, tenant: Tenant, body: CreateModelRequ
 
 
 async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> dict:
-    msg = await _off_loop_if_big(body, codec.parse_forward_backward_request, body)
+    msg = await _off_loop_if_big(len(body), codec.parse_forward_backward_request, body)
     row = state.models.require(msg.model_id)
     engine = state.engines.require(row.base_model)
     seq_id = int(msg.seq_id)
+    # a sparse tensor declares its size in a few bytes: what it densifies to counts
+    size = max(len(body), 4 * _declared_cells(msg))
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, seq_id):
-        payload = await _off_loop_if_big(body, _train_data, msg, state, engine.facts)
+        payload = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
     rid = await state.futures.file(
         engine,
         OpKind.FORWARD if msg.forward_only else OpKind.FORWARD_BACKWARD,
@@ -109,8 +112,13 @@ def _train_data(msg: Any, state: ServerState, facts: Any) -> Any:
     return validation.train_data(arrays, facts)
 
 
-async def _off_loop_if_big(body: bytes, fn: Any, *args: Any) -> Any:
-    if len(body) <= INLINE_BODY_BYTES:
+def _declared_cells(msg: Any) -> int:
+    return sum(math.prod(t.shape) for d in msg.data for t in d.loss_fn_inputs.values())
+
+
+async def _off_loop_if_big(size: int, fn: Any, *args: Any) -> Any:
+    """fn(*args) here for a small request (`size` in bytes), else on a worker thread."""
+    if size <= INLINE_BODY_BYTES:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 
@@ -306,6 +314,15 @@ async def load_weights(
     return _future(rid, row.model_id)
 
 
+def _sample_cells(body: SampleRequest) -> int:
+    """The numbers an asample body makes the edge read: its prompt and target ids."""
+    td = body.target_prompt_logprobs or {}
+    shape, data = td.get("shape"), td.get("data")
+    ints = isinstance(shape, list) and all(type(s) is int for s in shape)
+    declared = abs(math.prod(shape)) if ints else 0
+    return body.prompt.length + (len(data) if isinstance(data, list) else 0) + declared
+
+
 async def asample(state: ServerState, tenant: Tenant, body: SampleRequest) -> dict:
     if body.sampling_session_id is None:
         raise InvalidRequestError(
@@ -316,7 +333,15 @@ async def asample(state: ServerState, tenant: Tenant, body: SampleRequest) -> di
     default = state.admission.default_max_tokens(
         engine.name, engine.facts.max_seq_len, body.prompt.length
     )
-    request = validation.sample_request(body, sampler.engine_ref, engine.facts, default)
+    request = await _off_loop_if_big(
+        8 * _sample_cells(body),
+        validation.sample_request,
+        body,
+        sampler.engine_ref,
+        engine.facts,
+        default,
+        state.config.limits,
+    )
     rid = await state.futures.file(
         engine,
         OpKind.SAMPLE,

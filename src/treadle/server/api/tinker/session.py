@@ -8,6 +8,7 @@ from fastapi import APIRouter, Body
 
 from treadle.errors import NotFoundError, SessionGoneError
 from treadle.server.api.deps import StateDep, TenantDep
+from treadle.server.api.tinker.runs import Limit, Offset
 from treadle.server.storage import queries
 from treadle.types import SupportedModel
 from treadle.wire.requests import (
@@ -94,7 +95,7 @@ async def telemetry(body: OptionalJson = None) -> TelemetryResponse:
 
 @router.get("/sessions")
 def list_sessions(
-    state: StateDep, tenant: TenantDep, limit: int = 20, offset: int = 0
+    state: StateDep, tenant: TenantDep, limit: Limit = 20, offset: Offset = 0
 ) -> ListSessionsResponse:
     with state.store.engine.connect() as conn:
         ids = queries.session_ids(conn, tenant.tenant_id, limit, offset)
@@ -108,9 +109,10 @@ def get_session(session_id: str, state: StateDep, tenant: TenantDep) -> GetSessi
     if found is None:
         raise NotFoundError(f"session_id {session_id!r} not found")
     row, model_ids, sampler_ids = found
+    metadata = row["user_metadata"]  # strings, checked on the way in (older rows: any JSON)
     return GetSessionResponse(
         training_run_ids=model_ids,
         sampler_ids=sampler_ids,
-        user_metadata=row["user_metadata"],
+        user_metadata=None if metadata is None else {k: str(v) for k, v in metadata.items()},
         display_name=row["display_name"],
     )

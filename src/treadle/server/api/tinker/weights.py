@@ -17,9 +17,11 @@ from treadle.server.api.tinker import handlers
 from treadle.server.core.state import ServerState
 from treadle.server.registry import names, sources, versions
 from treadle.wire.requests import (
+    Int64,
     LoadWeightsRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
+    SeqId,
     WeightsInfoRequest,
     WeightsInfoResponse,
 )
@@ -57,8 +59,8 @@ class SaveWeightsExternalRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
     model_id: str
     path: str
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: Int64 | None = None
     age_encryption_recipients: list[str] | None = None
     type: Literal["save_weights_external"] = "save_weights_external"
 

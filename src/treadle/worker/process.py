@@ -181,7 +181,8 @@ class Worker:
 
     # ---- what the engine says (its thread) ----
     def _outcomes(self, outcomes: list[Outcome]) -> None:
-        self.channel.send([Kind.OUTCOMES.encode(), messages.encode_outcomes(outcomes)])
+        body = messages.encode_outcomes(outcomes, self.loop.positions())
+        self.channel.send([Kind.OUTCOMES.encode(), body])
 
     def _refs(self, added: list[str], dropped: list[str]) -> None:
         self._send(Kind.REFS, messages.Refs(added, dropped))

@@ -212,6 +212,11 @@ class EngineLoop(EngineClient):
         with self._cond:
             self.queues[model_id] = ModelQueue(next_seq=next_seq)
 
+    def positions(self) -> dict[str, int]:
+        """Each model's next seq_id (what a remote API mirrors for check_seq)."""
+        with self._cond:
+            return {model_id: q.next_seq for model_id, q in self.queues.items()}
+
     def busy(self) -> bool:
         """Whether anything is queued or deferred (a draining worker waits for False)."""
         with self._cond:

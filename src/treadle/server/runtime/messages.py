@@ -180,21 +180,30 @@ def decode_op(data: bytes | memoryview) -> Op:
     return Op(m.request_id, kind, payload, m.model_id, m.seq_id, replay=m.replay)
 
 
+@dataclass
+class _OutcomesMsg:
+    outcomes: list[_OutcomeMsg]
+    # each model's next seq_id in the worker's queue after these outcomes: ops refused or
+    # timed out behind a gap finish out of order, so the API cannot infer it
+    next_seqs: dict[str, int]
+
+
 # ---- outcomes ----
-def encode_outcomes(outcomes: list[Outcome]) -> bytes:
+def encode_outcomes(outcomes: list[Outcome], next_seqs: dict[str, int] | None = None) -> bytes:
     msgs = []
     for o in outcomes:
         kind = type(o.result).__name__ if o.result is not None else None
         raw = msgspec.Raw(encode(o.result))
         msgs.append(_OutcomeMsg(o.request_id, kind, raw, o.error, o.usage))
-    return encode(msgs)
+    return encode(_OutcomesMsg(msgs, next_seqs or {}))
 
 
-def decode_outcomes(data: bytes | memoryview) -> list[Outcome]:
+def decode_outcomes(data: bytes | memoryview) -> tuple[list[Outcome], dict[str, int]]:
+    msg = decode(data, _OutcomesMsg)
     out = []
-    for m in decode(data, list[_OutcomeMsg]):
+    for m in msg.outcomes:
         result = None
         if m.result_type is not None:
             result = decode(m.result, _RESULT_TYPES[m.result_type])
         out.append(Outcome(m.request_id, result=result, error=m.error, usage=m.usage))
-    return out
+    return out, msg.next_seqs

@@ -45,10 +45,30 @@ TOKEN_ENV = "TREADLE_WORKER_TOKEN"  # the hub's secret, for workers started else
 
 @dataclass
 class _Seqs:
-    """A model's seq_ids as the worker's queue has them: all below `ran_below` ran."""
+    """A model's seq_ids as the API knows them: every one below `ran_below` finished, and
+    `finished` holds those above it (refused while parked behind a gap, say)."""
 
     ran_below: int = 0
     pending: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+
+    def used(self, seq_id: int) -> bool:
+        return seq_id < self.ran_below or seq_id in self.pending or seq_id in self.finished
+
+    def advance_to(self, next_seq: int) -> None:
+        """The worker's queue expects next_seq: everything below is closed."""
+        if next_seq > self.ran_below:
+            self.ran_below = next_seq
+            self.finished = {s for s in self.finished if s >= next_seq}
+            self.pending = {s for s in self.pending if s >= next_seq}
+
+    def done(self, seq_id: int) -> None:
+        self.pending.discard(seq_id)
+        if seq_id >= self.ran_below:
+            self.finished.add(seq_id)
+        while self.ran_below in self.finished:
+            self.finished.discard(self.ran_below)
+            self.ran_below += 1
 
 
 class RemoteEngine(EngineClient):
@@ -106,7 +126,7 @@ class RemoteEngine(EngineClient):
             seqs = self._seqs.get(model_id)
             if seqs is None:
                 raise NotFoundError(f"model_id {model_id!r} is not loaded on this server")
-            if seq_id < seqs.ran_below or seq_id in seqs.pending:
+            if seqs.used(seq_id):
                 raise InvalidRequestError(
                     f"seq_id: {seq_id} was already used for model {model_id!r} "
                     f"(next expected: {seqs.ran_below})"
@@ -213,7 +233,7 @@ class RemoteEngine(EngineClient):
 
     def handle(self, kind: Kind, body: bytes) -> None:
         if kind == Kind.OUTCOMES:
-            self._got_outcomes(messages.decode_outcomes(body))
+            self._got_outcomes(*messages.decode_outcomes(body))
         elif kind == Kind.REPLY:
             reply = messages.decode(body, messages.Reply)
             with self._lock:
@@ -271,16 +291,18 @@ class RemoteEngine(EngineClient):
         if identity is not None:
             self.hub.send(identity, Kind.OP, messages.encode_op(op, op.encoded))
 
-    def _got_outcomes(self, outcomes: list[Outcome]) -> None:
+    def _got_outcomes(self, outcomes: list[Outcome], next_seqs: dict[str, int]) -> None:
         heard = []
         with self._lock:
+            for model_id, next_seq in next_seqs.items():
+                if (seqs := self._seqs.get(model_id)) is not None:
+                    seqs.advance_to(next_seq)
             for o in outcomes:
                 op = self._sent.pop(o.request_id, None)
                 if op is None:
                     continue  # failed already (the engine was down too long)
                 if op.kind != OpKind.SAMPLE and (seqs := self._seqs.get(op.model_id)):
-                    seqs.pending.discard(op.seq_id)
-                    seqs.ran_below = max(seqs.ran_below, op.seq_id + 1)
+                    seqs.done(op.seq_id)
                 if not op.replay:
                     heard.append(o)
         if heard:

@@ -166,3 +166,28 @@ def test_gspo_with_and_without_a_ratio_mask(svc):
             want += float(-np.minimum(ratio * adv, np.clip(ratio, lo, 1.2) * adv).sum())
         assert result.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
     assert max(abs(r - 1) for r in ratios) > 1e-2, ratios  # the ratios are not all 1
+
+
+def test_weights_are_metered_like_any_model_input(svc):
+    """Train tokens count the model input, whatever its weights (a masked prompt too)."""
+    tc = svc.create_lora_training_client(TINY, rank=8, seed=4)
+    seqs = sample_group(tc.save_weights_and_get_sampling_client(record_stability_info=True))
+    n = len(PROMPT) - 1
+    weighted = []
+    for s in seqs:
+        d = rl_datum(PROMPT, s, 1.0)
+        weights = [0.0] * n + [1.0] * len(s.tokens)
+        d.loss_fn_inputs["weights"] = d.loss_fn_inputs["advantages"].model_copy(
+            update={"data": weights}
+        )
+        weighted.append(with_provenance(d, len(PROMPT), s))
+
+    def train_tokens() -> int:
+        rows = svc.get_usage(by="session")["rows"]
+        return sum(r["train_tokens"] for r in rows if r["key"] == svc.session_id)
+
+    before = train_tokens()
+    for loss in ("ppo", "gspo", "stable_reinforce"):
+        tc.forward_backward(weighted, loss_fn=loss).result(WAIT)
+    sent = sum(d.model_input.length for d in weighted)
+    assert train_tokens() - before == 3 * sent

@@ -25,6 +25,7 @@ are unknown here.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import functools
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from treadle.wire.codec import Span
 
 RETENTION_S = 86400.0
 PURGE_AFTER_S = 86400.0
+# Datums whose provenance is checked on the event loop; more go to a worker thread.
+INLINE_DATUMS = 64
 
 SEQUENCES = SampledSequenceRow.__table__
 
@@ -136,7 +139,10 @@ async def attach(
             )
     ids = sorted({s.sequence_id for pair in provenance for spans in pair for s in spans or ()})
     kept = await journal.run(functools.partial(read_sequences, ids=ids, tenant_id=tenant_id))
-    resolve(payload, provenance, kept, session_id, utcnow())
+    if len(payload.data) <= INLINE_DATUMS:
+        resolve(payload, provenance, kept, session_id, utcnow())
+    else:  # a big batch's checks would hold up the event loop
+        await asyncio.to_thread(resolve, payload, provenance, kept, session_id, utcnow())
     await journal.run(functools.partial(renew, ids=ids, tenant_id=tenant_id))
 
 

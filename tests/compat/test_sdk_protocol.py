@@ -363,6 +363,24 @@ def test_stable_reinforce_and_gspo_as_the_cookbook_sends_them(service, treadle_s
     assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-3, abs=1e-3)
     out = tc.forward_backward(data_gspo, "gspo").result()
     assert math.isfinite(out.metrics["loss:sum"])
+    # a weights mask next to logprobs and advantages, as the managed service's example sends
+    weighted = [
+        T.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                **{k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"},
+                "weights": [0.0] * (len(prompt) - 1) + [0.5] * len(seq.tokens),
+            },
+        )
+        for d, seq in zip(data_gspo, seqs, strict=True)
+    ]
+    out = tc.forward(weighted, "importance_sampling").result()
+    want = 0.0
+    for d, o in zip(weighted, out.loss_fn_outputs, strict=True):
+        lp, s = o["logprobs"].to_numpy(), np.asarray(d.loss_fn_inputs["logprobs"].data)
+        adv, w = (np.asarray(d.loss_fn_inputs[k].data) for k in ("advantages", "weights"))
+        want += float(-(np.exp(lp - s) * adv * w).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
     tc.optim_step(T.AdamParams(learning_rate=1e-3)).result()
 
     other = tinker.ServiceClient(base_url=treadle_server.url, api_key=API_KEY)

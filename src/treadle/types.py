@@ -8,12 +8,14 @@ are accepted where a user has them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossFnType = Literal[
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"
+]
 StopReason = Literal["stop", "length"]
 
 # Plain lists in loss_fn_inputs are coerced by key, as the Tinker SDK does.
@@ -123,14 +125,65 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
     return TensorData.from_numpy(array)
 
 
+class PromptProvenanceSpan(_Wire):
+    """Datum positions that are positions [offset, offset + length) of the prompt of the
+    sampling request that returned `sequence_id`."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+    type: Literal["prompt"] = "prompt"
+
+
+class SampledProvenanceSpan(_Wire):
+    """Datum positions that are sampled tokens [offset, offset + length) of `sequence_id`."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+    type: Literal["sampled"] = "sampled"
+
+
+ProvenanceSpan = Annotated[
+    PromptProvenanceSpan | SampledProvenanceSpan, Field(discriminator="type")
+]
+
+
 class Datum(_Wire):
     """One training example: the input tokens and the loss inputs aligned with them.
 
-    `model_input[i]` predicts `loss_fn_inputs["target_tokens"][i]`.
+    `model_input[i]` predicts `loss_fn_inputs["target_tokens"][i]`. Provenance (needed by
+    stable_reinforce): runs of spans that tile model_input and target_tokens in order,
+    naming the sampled sequence behind each position; attach it with `with_provenance`.
     """
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData]
+    model_input_spans: list[ProvenanceSpan] | None = None
+    loss_fn_input_spans: list[ProvenanceSpan] | None = None
+
+    def with_provenance(
+        self, model_input: Sequence[ProvenanceSpan], loss_fn_inputs: Sequence[ProvenanceSpan]
+    ) -> Datum:
+        """A copy carrying both span lists; each must tile its field exactly."""
+        targets = self.loss_fn_inputs.get("target_tokens")
+        n_targets = targets.to_numpy().shape[0] if targets is not None else None
+        for name, spans, n in (
+            ("model_input", model_input, self.model_input.length),
+            ("loss_fn_inputs", loss_fn_inputs, n_targets),
+        ):
+            total = sum(s.length for s in spans)
+            if n is not None and total != n:
+                raise ValueError(
+                    f"with_provenance {name} spans cover {total} positions but the field has "
+                    f"{n}; the runs must tile it exactly"
+                )
+        return self.model_copy(
+            update={
+                "model_input_spans": list(model_input),
+                "loss_fn_input_spans": list(loss_fn_inputs),
+            }
+        )
 
     @field_validator("model_input", mode="before")
     @classmethod

@@ -22,7 +22,6 @@ UNSUPPORTED = {
     "optimizer",  # only AdamW is served
     "weights_access_token",  # no cross-account checkpoints
     "retry_config",  # one RetryPolicy per ServiceClient instead
-    "record_stability_info",
     "kind",  # snapshots only; no "inflight" sampling clients
     "loss_type_input",  # deprecated in tinker itself
 }

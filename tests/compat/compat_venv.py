@@ -2,7 +2,8 @@
 
 tinker-cookbook 0.5.8 pins transformers<=5.5.4, so it cannot share the project's virtualenv
 (which stays on current transformers). It gets its own, built once under `.venv-compat/` in
-the project root (ignored by git) and reused while its pins do not change.
+the project root (ignored by git) and reused while its pins do not change. The current
+cookbook (COOKBOOK_NEXT) lives in a folder of that venv, beside the pinned one.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ STAMP = VENV / ".installed"
 # torch first and pinned: the only CPU build reachable here; a bare `torch` would pull
 # multi-GB CUDA wheels. math-rl brings the grading dependencies of recipes.math_rl.
 TORCH = "torch==2.13.0"
-# 0.6.x needs tml-renderers>=0.4.1, not on the index yet: try it with TREADLE_COMPAT_COOKBOOK=0.6.1
 COOKBOOK = os.environ.get("TREADLE_COMPAT_COOKBOOK", "0.5.8")
 TINKER = os.environ.get("TREADLE_COMPAT_TINKER", "0.38.0")
 PINS = [TORCH, f"tinker=={TINKER}", f"tinker-cookbook[math-rl]=={COOKBOOK}"]
+
+# The current cookbook, next to the pinned one: 0.6.1 declares tml-renderers>=0.4.1, which
+# the package index does not serve, but imports tml_renderers lazily (only for the Inkling and
+# Kimi K3 models). Its other dependencies are those of 0.5.8, already in the venv (tinker
+# 0.38 speaks its provenance spans and record_stability_info), so it is installed without
+# dependencies into a folder of its own, put first on PYTHONPATH by the tests that run it.
+COOKBOOK_NEXT = "0.6.1"
 
 # pip output that means "the index cannot be reached", not "the pins are wrong"
 OFFLINE_SIGNS = (
@@ -64,6 +71,25 @@ def ensure() -> Path:
         _run([*pip, "-c", str(constraints), *PINS])
         STAMP.write_text(spec)
     return python()
+
+
+def next_cookbook() -> Path:
+    """Install tinker-cookbook COOKBOOK_NEXT (no dependencies) beside the venv's own, once;
+    → the folder to put first on PYTHONPATH."""
+    ensure()
+    target = VENV / f"cookbook-{COOKBOOK_NEXT}"
+    stamp = target / ".installed"
+    if stamp.exists():
+        return target
+    with open(ROOT / ".venv-compat.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists():
+            return target
+        shutil.rmtree(target, ignore_errors=True)
+        pip = [str(python()), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _run([*pip, "--no-deps", "--target", str(target), f"tinker-cookbook=={COOKBOOK_NEXT}"])
+        stamp.write_text(COOKBOOK_NEXT + "\n")
+    return target
 
 
 def _run(cmd: list[str]) -> None:

@@ -54,15 +54,26 @@ def cookbook_env(treadle_server, hf_home) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="session")
+def next_cookbook(cookbook_python) -> Path:
+    """The folder holding tinker-cookbook COOKBOOK_NEXT (put first on PYTHONPATH)."""
+    try:
+        return compat_venv.next_cookbook()
+    except compat_venv.VenvUnavailable as e:
+        pytest.skip(f"cannot install tinker-cookbook {compat_venv.COOKBOOK_NEXT}: {e}")
+
+
 @pytest.fixture
 def run_cookbook(cookbook_python, cookbook_env, tmp_path) -> Callable[..., str]:
-    """run_cookbook(*args, timeout=240) → combined output; fails the test on a non-zero exit."""
+    """run_cookbook(*args, timeout=240, path=None) → combined output; fails the test on a
+    non-zero exit. `path`: a folder put first on PYTHONPATH (another cookbook release)."""
 
-    def run(*args: str, timeout: float = 240) -> str:
+    def run(*args: str, timeout: float = 240, path: Path | None = None) -> str:
+        env = cookbook_env if path is None else {**cookbook_env, "PYTHONPATH": str(path)}
         proc = subprocess.run(
             [str(cookbook_python), *args],
             cwd=tmp_path,
-            env=cookbook_env,
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

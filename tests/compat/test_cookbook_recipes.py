@@ -1,4 +1,5 @@
-"""tinker-cookbook 0.5.8 recipes, unmodified, against a real `treadle serve`.
+"""tinker-cookbook recipes (0.5.8, and the current 0.6.1), unmodified, against a real
+`treadle serve`.
 
 Each recipe runs in the cookbook's own virtualenv as a child process, configured only through
 its command-line keys and environment variables (see conftest.py); nothing of the cookbook is
@@ -94,6 +95,31 @@ def test_math_rl_arithmetic_importance_sampling(run_cookbook, tmp_path, treadle_
         assert m["env/all/total_episodes"] == 8
         assert 1 <= m["env/all/ac_tokens_per_turn"] <= 6
         # the trainer's logprobs of the sampled tokens match the sampler's: same weights
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
+
+
+def test_math_rl_061_default_loss(run_cookbook, next_cookbook, tmp_path, treadle_server):
+    """0.6.1's math_rl as it ships: its default loss, stable_reinforce, samples with
+    record_stability_info and trains on provenance spans naming the recorded sequences."""
+    log = tmp_path / "rl-061"
+    version = run_cookbook(
+        "-c", "import tinker_cookbook; print('COOKBOOK', tinker_cookbook.__version__)",
+        path=next_cookbook,
+    )  # fmt: skip
+    assert "COOKBOOK 0.6.1" in version, version
+    run_cookbook(
+        "-m", "tinker_cookbook.recipes.math_rl.train",
+        f"model_name={treadle_server.model_name}", "env=arithmetic", f"log_path={log}",
+        "group_size=4", "groups_per_batch=2", "max_tokens=6", "learning_rate=1e-3",
+        "max_steps=2", "save_every=0", "eval_every=0", *COMMON,
+        path=next_cookbook,
+    )  # fmt: skip
+    config = json.loads((log / "config.json").read_text())
+    assert config["loss_fn"] == "stable_reinforce", config.get("loss_fn")
+    steps = [m for m in metrics_of(log) if "env/all/total_episodes" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["env/all/total_episodes"] == 8
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-3, m
 
 

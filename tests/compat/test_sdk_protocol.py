@@ -315,3 +315,75 @@ def test_treadle_sdk_takes_the_same_sampling_options(treadle_server, plain):
         assert len(seq.topk_logprobs) == len(seq.tokens)
         for lp, row in zip(seq.logprobs, seq.topk_logprobs, strict=True):
             assert len(row) == 2 and row[0][1] >= row[1][1] and lp <= row[0][1] + 1e-6
+
+
+def test_stable_reinforce_and_gspo_as_the_cookbook_sends_them(service, treadle_server):
+    """tinker-cookbook 0.6.1's default loss: samples recorded with record_stability_info,
+    datums carrying provenance spans (Datum.with_provenance), a 400 naming the field for
+    another session's sequences; gspo with its sequence_ratio_mask."""
+    tc = service.create_lora_training_client(base_model=treadle_server.model_name, rank=4).result()
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = [5, 17, 33, 2, 40, 41]
+    params = T.SamplingParams(max_tokens=5, temperature=1.0, seed=1, stop=[])
+    seqs = sampler.sample(T.ModelInput.from_ints(prompt), 2, params).result().sequences
+    data_sr, data_gspo = [], []
+    for seq, adv in zip(seqs, (1.0, -1.0), strict=True):
+        n, k = len(prompt) - 1, len(seq.tokens)
+        inputs = {
+            "target_tokens": prompt[1:] + seq.tokens,
+            "logprobs": [0.0] * n + seq.logprobs,
+            "advantages": [0.0] * n + [adv] * k,
+        }
+        datum = T.Datum(
+            model_input=T.ModelInput.from_ints(prompt + seq.tokens[:-1]), loss_fn_inputs=inputs
+        )
+        data_sr.append(
+            datum.with_provenance(
+                model_input=[
+                    T.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                    T.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=k - 1),
+                ],
+                loss_fn_inputs=[
+                    T.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n),
+                    T.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=k),
+                ],
+            )
+        )
+        mask = {"sequence_ratio_mask": [0.0] * n + [1.0] * k}
+        data_gspo.append(T.Datum(model_input=datum.model_input, loss_fn_inputs={**inputs, **mask}))
+    out = tc.forward_backward(data_sr, "stable_reinforce").result()
+    # on-policy: importance weight 1 and no KL, so the loss is -sum(A * lp) on sampled tokens
+    want = sum(
+        -(np.asarray(d.loss_fn_inputs["advantages"].data) * o["logprobs"].to_numpy()).sum()
+        for d, o in zip(data_sr, out.loss_fn_outputs, strict=True)
+    )
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-3, abs=1e-3)
+    out = tc.forward_backward(data_gspo, "gspo").result()
+    assert math.isfinite(out.metrics["loss:sum"])
+    # a weights mask next to logprobs and advantages, as the managed service's example sends
+    weighted = [
+        T.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                **{k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"},
+                "weights": [0.0] * (len(prompt) - 1) + [0.5] * len(seq.tokens),
+            },
+        )
+        for d, seq in zip(data_gspo, seqs, strict=True)
+    ]
+    out = tc.forward(weighted, "importance_sampling").result()
+    want = 0.0
+    for d, o in zip(weighted, out.loss_fn_outputs, strict=True):
+        lp, s = o["logprobs"].to_numpy(), np.asarray(d.loss_fn_inputs["logprobs"].data)
+        adv, w = (np.asarray(d.loss_fn_inputs[k].data) for k in ("advantages", "weights"))
+        want += float(-(np.exp(lp - s) * adv * w).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
+    tc.optim_step(T.AdamParams(learning_rate=1e-3)).result()
+
+    other = tinker.ServiceClient(base_url=treadle_server.url, api_key=API_KEY)
+    tc_other = other.create_lora_training_client(base_model=treadle_server.model_name, rank=4)
+    tc_other = tc_other.result()
+    with pytest.raises(tinker.BadRequestError, match="sampled by another session") as err:
+        tc_other.forward_backward(data_sr, "stable_reinforce").result()
+    assert "data[0].loss_fn_input_spans[0].sequence_id" in str(err.value)
+    other.close("success").result(timeout=30)

@@ -47,10 +47,15 @@ class SamplingClient:
         sampling_session_id: str,
         base_model: str | None,
         first_seq_id: int = 0,
+        *,
+        record_stability_info: bool = False,
     ):
+        """`record_stability_info`: every sample is kept by the server under its
+        sequence_id (for this session's training requests to name in their provenance)."""
         self._transport = transport
         self.sampling_session_id = sampling_session_id
         self._base_model = base_model
+        self.record_stability_info = record_stability_info
         self._seq = itertools.count(first_seq_id)
         self._seq_lock = threading.Lock()
 
@@ -58,7 +63,8 @@ class SamplingClient:
         """Picklable (e.g. for worker processes): the copy opens its own connection pool and
         samples under the same sampling session, which the original's session keeps alive."""
         t = self._transport
-        return (_unpickle, (t.base_url, t.api_key, self.sampling_session_id, self._base_model))
+        args = (t.base_url, t.api_key, self.sampling_session_id, self._base_model)
+        return (_unpickle, (*args, self.record_stability_info))
 
     def __repr__(self) -> str:
         return f"SamplingClient(sampling_session_id={self.sampling_session_id!r})"
@@ -104,6 +110,7 @@ class SamplingClient:
             target_prompt_logprobs=target,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
+            record_stability_info=self.record_stability_info or None,
         ).model_dump(mode="json", exclude_none=True)
         body["seq_id"] = self._next_seq_id()
         return APIFuture(self._transport.submit(self._sample(body)))
@@ -161,11 +168,21 @@ class SamplingClient:
 
 
 def _unpickle(
-    base_url: str, api_key: str | None, sampling_session_id: str, base_model: str | None
+    base_url: str,
+    api_key: str | None,
+    sampling_session_id: str,
+    base_model: str | None,
+    record_stability_info: bool = False,
 ) -> SamplingClient:
     with _clone_lock:
         transport = _clone_transports.get((base_url, api_key))
         if transport is None:
             transport = _clone_transports[(base_url, api_key)] = Transport(base_url, api_key)
     clone_id = secrets.randbelow(CLONE_BLOCK - 1) + 1
-    return SamplingClient(transport, sampling_session_id, base_model, CLONE_BLOCK * clone_id)
+    return SamplingClient(
+        transport,
+        sampling_session_id,
+        base_model,
+        CLONE_BLOCK * clone_id,
+        record_stability_info=record_stability_info,
+    )

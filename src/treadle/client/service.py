@@ -23,6 +23,7 @@ from urllib.parse import urlencode
 
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.errors import APIError, GoneError, NotFoundError
+from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.training import TrainingClient
@@ -59,12 +60,27 @@ class ServiceClient:
         model_package_group: str | None = None,
         output_path: str | None = None,
         encryption_key: str | None = None,
+        model_package_group_arn: str | None = None,
+        s3_output_path: str | None = None,
+        **managed_service_args: Any,
     ):
         """`model_package_group` / `output_path`: defaults for the training clients made
         here (their saves become versions of that group, stored under output_path: an
         s3://bucket/prefix or a server folder). `encryption_key`: a 32-byte AES key (base64
         or hex; see treadle.server.storage.encryption.new_key) sent with every request, never stored
-        by the server: versions are stored encrypted with it and read back only with it."""
+        by the server: versions are stored encrypted with it and read back only with it.
+
+        The managed service's names are accepted too (treadle.client.porting):
+        `model_package_group_arn` (its last path element is the group) and `s3_output_path`;
+        its infrastructure settings (role_arn, region, vpc_config, ...) raise TypeError."""
+        model_package_group, output_path = ported_target(
+            "ServiceClient()",
+            model_package_group,
+            output_path,
+            model_package_group_arn,
+            s3_output_path,
+            managed_service_args,
+        )
         base_url = (
             base_url
             or os.environ.get("TREADLE_BASE_URL")
@@ -230,11 +246,24 @@ class ServiceClient:
         training_session_name: str | None = None,
         model_package_group: str | None = None,
         output_path: str | None = None,
+        model_package_group_arn: str | None = None,
+        s3_output_path: str | None = None,
+        **managed_service_args: Any,
     ) -> TrainingClient:
         """A new LoRA adapter on `base_model`; `alpha` defaults to 32 on the server.
 
         With a `model_package_group` (default: the ServiceClient's), every save of this
-        client registers a version of that group, stored under `output_path`."""
+        client registers a version of that group, stored under `output_path`. The managed
+        service's `model_package_group_arn` and `s3_output_path` mean the same
+        (treadle.client.porting)."""
+        model_package_group, output_path = ported_target(
+            "create_lora_training_client()",
+            model_package_group,
+            output_path,
+            model_package_group_arn,
+            s3_output_path,
+            managed_service_args,
+        )
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         if training_session_name is not None:
@@ -344,10 +373,17 @@ class ServiceClient:
     # ---- sampling clients ----------------------------------------------------------------
 
     def create_sampling_client(
-        self, model_path: str | None = None, base_model: str | None = None
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
         """Sample from saved sampler weights (`tinker://.../sampler_weights/...`, or a
-        model package version `GROUP:N` / `GROUP:latest`) or a base."""
+        model package version `GROUP:N` / `GROUP:latest`) or a base.
+
+        `record_stability_info`: the server keeps every sequence this client samples, for a
+        day, under its `sequence_id`, so that this session's training requests can name it
+        in their provenance (what `stable_reinforce` trains on)."""
         if model_path is None and base_model is None:
             raise ValueError("create_sampling_client: give model_path or base_model")
         # a version reference is resolved (fetched, decrypted) by the server
@@ -359,7 +395,12 @@ class ServiceClient:
             base_model=base_model,
         )
         reply = self.transport.call(self.transport.post("/api/v1/create_sampling_session", body))
-        return SamplingClient(self.transport, str(reply["sampling_session_id"]), base_model)
+        return SamplingClient(
+            self.transport,
+            str(reply["sampling_session_id"]),
+            base_model,
+            record_stability_info=record_stability_info,
+        )
 
     def unload_model(self, model_id: str) -> None:
         """Free a model's adapter on the server; a server without the route is tolerated."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,9 @@ class TrainingClient:
         self._chunk_len = int(cfg.get("fwdbwd_max_chunk_len", MAX_CHUNK_LEN))
         self._chunk_bytes = int(cfg.get("fwdbwd_max_chunk_bytes_count", MAX_CHUNK_BYTES))
         self._stopped = False
+        self._steps = 0  # optim_steps queued by this client: default checkpoint names
+        self._names: dict[str, set[str]] = {"state": set(), "sampler": set()}
+        self._names_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r})"
@@ -227,6 +231,8 @@ class TrainingClient:
         if optim_params is not None and adam_params is not None:
             raise ValueError("optim_step: give optim_params or adam_params, not both")
         params = optim_params or adam_params or AdamParams()
+        with self._names_lock:
+            self._steps += 1
         return self._json_op(
             "/api/v1/optim_step",
             "OptimStep",
@@ -236,14 +242,30 @@ class TrainingClient:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def _name(self, kind: str, name: str | None) -> str:
+        """`name`, or a default unique among this client's saves of `kind`: "step-000012"
+        after 12 optim_steps (then "step-000012-2", ... for more saves at that step)."""
+        with self._names_lock:
+            used = self._names[kind]
+            if name is None:
+                base = name = f"step-{self._steps:06d}"
+                n = 1
+                while name in used:
+                    n += 1
+                    name = f"{base}-{n}"
+            used.add(name)
+            return name
+
     def save_state(
         self,
-        name: str,
+        name: str | None = None,
         ttl_seconds: int | None = None,
         overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
-        """Adapter + optimizer state → `.path` = tinker://<run>/weights/<name>."""
+        """Adapter + optimizer state → `.path` = tinker://<run>/weights/<name>; without a
+        name, "step-<optim steps so far>" (unique among this client's saves)."""
+        name = self._name("state", name)
         return self._json_op(
             "/api/v1/save_weights",
             "SaveWeights",
@@ -278,16 +300,18 @@ class TrainingClient:
 
     def save_weights_for_sampler(
         self,
-        name: str,
+        name: str | None = None,
         ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
         *,
         merge_weights: bool = False,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """A durable PEFT adapter → `.path` = tinker://<run>/sampler_weights/<name>.
+        """A durable PEFT adapter → `.path` = tinker://<run>/sampler_weights/<name>; without
+        a name, "step-<optim steps so far>" (unique among this client's saves).
 
         `merge_weights=True` also publishes a merged, deployable HF model folder as a
         version of the client's model package group (needs one)."""
+        name = self._name("sampler", name)
         return self._json_op(
             "/api/v1/save_weights_for_sampler",
             "SaveWeightsForSampler",
@@ -302,10 +326,13 @@ class TrainingClient:
             SaveWeightsForSamplerResponse.model_validate,
         )
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, record_stability_info: bool = False
+    ) -> SamplingClient:
         """Snapshot the current weights (in memory) and return a client sampling from them.
 
         Waits for the ops queued before it; `name` is accepted for compatibility and ignored.
+        `record_stability_info`: as ServiceClient.create_sampling_client.
         """
         _, sampling_seq = self._service.next_sampling_seq_id()
         fut = self._json_op(
@@ -321,14 +348,25 @@ class TrainingClient:
             raise RuntimeError(
                 "save_weights_for_sampler: the server returned no sampling_session_id"
             )
-        return SamplingClient(self._transport, reply.sampling_session_id, self.base_model)
+        return SamplingClient(
+            self._transport,
+            reply.sampling_session_id,
+            self.base_model,
+            record_stability_info=record_stability_info,
+        )
 
-    def create_sampling_client(self, model_path: str | None = None) -> SamplingClient:
+    def create_sampling_client(
+        self, model_path: str | None = None, record_stability_info: bool = False
+    ) -> SamplingClient:
         """Sample from saved sampler weights, or, with no path, from this session's weights
         as they are now (an in-memory snapshot on the server)."""
         if model_path is None:
-            return self.save_weights_and_get_sampling_client()
-        return self._service.create_sampling_client(model_path=model_path)
+            return self.save_weights_and_get_sampling_client(
+                record_stability_info=record_stability_info
+            )
+        return self._service.create_sampling_client(
+            model_path=model_path, record_stability_info=record_stability_info
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -11,8 +11,10 @@ generous on purpose (a real loop stays orders of magnitude inside them):
 | value                                   | accepted                          |
 |-----------------------------------------|-----------------------------------|
 | loss_fn_inputs weights, advantages,     | finite, |x| <= 1e6                |
-| logprobs, clip thresholds               |                                   |
+| logprobs, clip thresholds,              |                                   |
+| sequence_ratio_mask                     |                                   |
 | loss_fn_config values                   | finite, |x| <= 1e6                |
+| loss_fn_config kl_coeff, beta           | >= 0 as well                      |
 | adam learning_rate                      | 0 <= lr <= 10                     |
 | adam beta1, beta2                       | [0, 1)                            |
 | adam eps                                | 0 <= eps <= 1                     |
@@ -39,6 +41,13 @@ MAX_TOPK_COLUMNS = 1024
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
 
+# The inputs the server adds to a datum of a loss that needs provenance, from the sampled
+# sequences its loss_fn_input_spans name (treadle.server.core.sequences): the sampler's
+# logprob of each target recorded at sampling time, and 1 where the target is a sampled token
+# (0 on prompt positions). Never accepted from a client.
+RECORDED = ("recorded_logprobs", "recorded_mask")
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """The loss_fn_inputs a loss needs and may take, and its loss_fn_config keys."""
@@ -47,6 +56,7 @@ class LossSpec:
     optional: tuple[str, ...] = ()
     config: tuple[str, ...] = ()
     top_k: bool = False  # accepts (T, K) target_tokens
+    provenance: bool = False  # needs loss_fn_input_spans; trains on the RECORDED inputs
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -55,14 +65,25 @@ class LossSpec:
 
 _RL = ("target_tokens", "logprobs", "advantages")
 _CLIP = ("clip_low_threshold", "clip_high_threshold")
+# Every RL loss takes an optional per-token `weights` multiplier (0 removes a token).
+_W = ("weights",)
 LOSS_SPECS: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(("target_tokens", "weights"), top_k=True),
-    "importance_sampling": LossSpec(_RL),
-    "ppo": LossSpec(_RL, optional=_CLIP, config=_CLIP),
-    "cispo": LossSpec(_RL, optional=_CLIP, config=_CLIP),
-    "dro": LossSpec(_RL, config=("beta",)),
+    "importance_sampling": LossSpec(_RL, optional=_W),
+    "ppo": LossSpec(_RL, optional=(*_W, *_CLIP), config=_CLIP),
+    "cispo": LossSpec(_RL, optional=(*_W, *_CLIP), config=_CLIP),
+    "dro": LossSpec(_RL, optional=_W, config=("beta",)),
+    "gspo": LossSpec(_RL, optional=(*_W, "sequence_ratio_mask", *_CLIP), config=_CLIP),
+    # its logprobs are the sampler's as recorded on the server; a client's are accepted
+    # (datums built for the other RL losses carry them) and not used
+    "stable_reinforce": LossSpec(
+        ("target_tokens", "advantages"),
+        optional=(*_W, "logprobs"),
+        config=("kl_coeff",),
+        provenance=True,
+    ),
 }
-FLOAT_INPUTS = ("weights", "logprobs", "advantages", *_CLIP)
+FLOAT_INPUTS = ("weights", "logprobs", "advantages", *_CLIP, "sequence_ratio_mask", *RECORDED)
 
 
 def loss_spec(loss_fn: str) -> LossSpec:
@@ -84,20 +105,33 @@ def validate_train_batch(
     vocab_size: int,
     max_seq_len: int,
     where: str = "data[{i}].",
+    recorded: bool = False,
 ) -> dict[str, float]:
     """Raise InvalidRequestError naming the datum, the key, the expected and the received
-    value; → the numeric loss config. `where` prefixes each datum's messages."""
+    value; → the numeric loss config. `where` prefixes each datum's messages.
+
+    recorded=False (a client's datums): the RECORDED inputs are refused; True (the engine's,
+    after the server resolved provenance): a provenance loss needs them."""
     spec = loss_spec(loss_fn)
     config = _validate_config(loss_fn, spec, loss_config)
     if not data:
         raise InvalidRequestError("data must hold at least one datum, got an empty list")
     for i, datum in enumerate(data):
-        _validate_datum(datum, loss_fn, spec, vocab_size, max_seq_len, where.format(i=i))
+        at = where.format(i=i)
+        _validate_datum(datum, loss_fn, spec, vocab_size, max_seq_len, at, recorded)
+        if recorded and spec.provenance:
+            check_recorded(datum, loss_fn, at)
     return config
 
 
 def _validate_datum(
-    datum: TrainDatum, loss_fn: str, spec: LossSpec, vocab: int, max_len: int, where: str
+    datum: TrainDatum,
+    loss_fn: str,
+    spec: LossSpec,
+    vocab: int,
+    max_len: int,
+    where: str,
+    recorded: bool = False,
 ) -> None:
     tokens = _int_array(datum.tokens, where + "model_input")
     if tokens.ndim != 1 or not 1 <= tokens.shape[0] <= max_len:
@@ -113,7 +147,8 @@ def _validate_datum(
                 f"{where}loss_fn_inputs is missing {key!r}: {loss_fn} needs {key!r} "
                 f"(required: {list(spec.required)}; got {sorted(inputs)})"
             )
-    unknown = sorted(set(inputs) - set(spec.inputs))
+    allowed = spec.inputs + (RECORDED if recorded and spec.provenance else ())
+    unknown = sorted(set(inputs) - set(allowed))
     if unknown:
         raise InvalidRequestError(
             f"{where}loss_fn_inputs has unexpected key {unknown[0]!r}; {loss_fn} takes "
@@ -129,7 +164,7 @@ def _validate_datum(
             f"{name} has shape {targets.shape}, expected {expected} to match model_input{k_cap}"
         )
     check_ids(targets, vocab, name)
-    for key in spec.inputs:
+    for key in allowed:
         if key == "target_tokens" or key not in inputs:
             continue
         expected = targets.shape if key == "weights" else (T,)
@@ -177,9 +212,37 @@ def _validate_config(name: str, spec: LossSpec, config: dict[str, Any]) -> dict[
             "loss_fn_config needs 0 <= clip_low_threshold <= clip_high_threshold, got "
             f"{lo} and {hi}"
         )
-    if out.get("beta", 0.0) < 0:
-        raise InvalidRequestError(f"loss_fn_config['beta'] must be >= 0, got {out['beta']}")
+    for key in ("beta", "kl_coeff"):
+        if out.get(key, 0.0) < 0:
+            raise InvalidRequestError(f"loss_fn_config[{key!r}] must be >= 0, got {out[key]}")
     return out
+
+
+def check_recorded(datum: TrainDatum, loss_fn: str, where: str) -> None:
+    """The RECORDED inputs of a provenance loss's datum: present, a 0/1 mask, logprobs <= 0,
+    and advantages only on sampled tokens (a prompt position has no recorded sampler
+    logprob to train against)."""
+    inputs = datum.loss_inputs
+    for key in RECORDED:
+        if key not in inputs:
+            raise InvalidRequestError(
+                f"{where}loss_fn_inputs is missing {key!r}: {loss_fn} trains on the sampled "
+                "sequences its loss_fn_input_spans name (the server adds it)"
+            )
+    mask = np.asarray(inputs["recorded_mask"])
+    if not np.isin(mask, (0.0, 1.0)).all():
+        raise InvalidRequestError(f"{where}loss_fn_inputs['recorded_mask'] must hold 0 or 1")
+    if (np.asarray(inputs["recorded_logprobs"]) > 0).any():
+        raise InvalidRequestError(f"{where}loss_fn_inputs['recorded_logprobs'] must be <= 0")
+    adv = np.asarray(inputs["advantages"])
+    off = np.flatnonzero((mask == 0) & (adv != 0))
+    if off.size:
+        t = int(off[0])
+        raise InvalidRequestError(
+            f"{where}loss_fn_inputs['advantages'][{t}] is {float(adv[t]):g} at a position whose "
+            f"target is not a sampled token (its provenance span is a prompt span); {loss_fn} "
+            "takes nonzero advantages on sampled tokens only"
+        )
 
 
 def _int_array(value: object, name: str) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -22,12 +23,16 @@ from treadle.types import (
     EncodedTextChunk,
     ForwardBackwardOutput,
     ModelInput,
+    PromptProvenanceSpan,
+    SampledProvenanceSpan,
     SampledSequence,
     SampleResponse,
     TensorData,
 )
 from treadle.wire import tinker_pb2 as pb
 
+# Zero-length provenance runs a datum may carry beyond one run per position.
+MAX_EMPTY_SPANS = 16
 # An empty cell of a top-k matrix, as the SDK's topk_to_lists reads it.
 TOPK_EMPTY_ID = 0
 TOPK_EMPTY_LOGPROB = -99999.0
@@ -201,7 +206,27 @@ def encode_forward_backward_request(
             ).tobytes()
         for key, td in datum.loss_fn_inputs.items():
             datum_msg.loss_fn_inputs[key].CopyFrom(tensor_to_proto(td))
+        for spans, field in (
+            (datum.model_input_spans, datum_msg.model_input_spans),
+            (datum.loss_fn_input_spans, datum_msg.loss_fn_input_spans),
+        ):
+            for span in spans or ():
+                arm = field.add()
+                arm = arm.sampled_tokens if span.type == "sampled" else arm.prompt_tokens
+                arm.sequence_id, arm.offset, arm.length = span.sequence_id, span.offset, span.length
     return msg.SerializeToString()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One provenance run of a datum field: `length` positions that are positions
+    [offset, offset + length) of the sampled tokens (sampled) or of the prompt (not sampled)
+    of the sequence `sequence_id`."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
 
 
 @dataclass
@@ -210,6 +235,9 @@ class DatumArrays:
 
     tokens: np.ndarray  # (T,) int64
     loss_fn_inputs: dict[str, np.ndarray]  # (T,) or (T, K); float32 or int64
+    # provenance: runs tiling model_input / target_tokens; None when the datum has none
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
 
 
 @dataclass
@@ -267,7 +295,49 @@ def _datum_arrays(msg: pb.Datum, field: str, max_cells: int) -> DatumArrays:
         where = f"{field}.loss_fn_inputs[{key!r}]"
         inputs[key] = tensor_array(t, where, lead=len(tokens), max_cells=max_cells)
         max_cells -= inputs[key].size
-    return DatumArrays(tokens, inputs)
+    return DatumArrays(
+        tokens,
+        inputs,
+        _spans(msg.model_input_spans, f"{field}.model_input_spans", len(tokens)),
+        _spans(msg.loss_fn_input_spans, f"{field}.loss_fn_input_spans", len(tokens)),
+    )
+
+
+def _spans(msgs: Any, field: str, n_positions: int) -> list[Span] | None:
+    """Provenance runs as read; their meaning (tiling, the sequences named) is checked by
+    the server against what it recorded. An empty list is no provenance."""
+    if not msgs:
+        return None
+    if len(msgs) > n_positions + MAX_EMPTY_SPANS:
+        raise InvalidRequestError(
+            f"{field}: {len(msgs)} spans for {n_positions} positions (runs tile the field)"
+        )
+    out = []
+    for j, msg in enumerate(msgs):
+        kind = msg.WhichOneof("span")
+        if kind is None:
+            raise InvalidRequestError(f"{field}[{j}]: expected prompt_tokens or sampled_tokens")
+        arm = getattr(msg, kind)
+        if not arm.sequence_id or arm.offset < 0 or arm.length < 0:
+            raise InvalidRequestError(
+                f"{field}[{j}]: expected a sequence_id, offset >= 0 and length >= 0, got "
+                f"{arm.sequence_id!r}, {arm.offset}, {arm.length}"
+            )
+        out.append(
+            Span(kind == "sampled_tokens", arm.sequence_id, int(arm.offset), int(arm.length))
+        )
+    return out
+
+
+def _wire_spans(spans: list[Span] | None) -> list | None:
+    if spans is None:
+        return None
+    return [
+        (SampledProvenanceSpan if s.sampled else PromptProvenanceSpan)(
+            sequence_id=s.sequence_id, offset=s.offset, length=s.length
+        )
+        for s in spans
+    ]
 
 
 def decode_forward_backward_request(
@@ -283,6 +353,8 @@ def decode_forward_backward_request(
                 k: _tensor_data(v, "int64" if v.dtype.kind == "i" else "float32")
                 for k, v in d.loss_fn_inputs.items()
             },
+            model_input_spans=_wire_spans(d.model_input_spans),
+            loss_fn_input_spans=_wire_spans(d.loss_fn_input_spans),
         )
         for d in fb.data
     ]

@@ -5,7 +5,8 @@ One database write per request, one per result, both through the journal:
   treadle.server.core.recovery), then hands the op to its engine (never before: a write
   that fails queues nothing); a resubmitted key gets the original request_id back and
   queues nothing, whether memory still knows the key or only the database does;
-- `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them, and
+- `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
+  the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
   only once it is on disk;
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
@@ -39,6 +40,7 @@ from treadle.errors import (
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.limits import Admission
 from treadle.server.core.results import encode, error_json, error_of
+from treadle.server.core.sequences import insert_records
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.messages import encode_payload
@@ -205,6 +207,9 @@ class Futures:
 
         def write(conn: Any) -> None:
             finish_requests(conn, [encode(o) for o in outcomes])
+            records = [r for o in outcomes if o.succeeded for r in o.records]
+            if records:  # record_stability_info: kept with the result that names them
+                insert_records(conn, records)
 
         def done(_: Any, error: BaseException | None) -> None:
             if error is None:

@@ -35,10 +35,12 @@ from treadle.server.runtime.ops import (
     SaveResult,
     SaveSampler,
     SaveState,
+    SequenceRecord,
     Skip,
     Snapshot,
     TrainData,
     Usage,
+    sample_sequence_id,
 )
 
 log = logging.getLogger("treadle.executor")
@@ -321,6 +323,19 @@ def _sample_outcome(op: Op, result: SampleResult) -> Outcome:
         if result.topk_prompt_logprobs:
             result.topk_prompt_logprobs = [None] * cut + list(result.topk_prompt_logprobs[cut:])
     sampled = sum(len(s.tokens) for s in result.sequences)
-    return Outcome.ok(
+    outcome = Outcome.ok(
         op.request_id, result, Usage(prompt_tokens=len(req.prompt), sampled_tokens=sampled)
     )
+    if p.record is not None:  # record_stability_info: kept with the result, for provenance
+        outcome.records = [
+            SequenceRecord(
+                sample_sequence_id(op.request_id, i),  # as the submit reply listed them
+                p.record.tenant_id,
+                p.record.session_id,
+                list(req.prompt),
+                list(s.tokens),
+                list(s.logprobs),
+            )
+            for i, s in enumerate(result.sequences)
+        ]
+    return outcome

@@ -33,6 +33,7 @@ from treadle.server.runtime.ops import (
     Outcome,
     Payload,
     SaveResult,
+    SequenceRecord,
     Usage,
 )
 
@@ -121,6 +122,7 @@ class _OutcomeMsg:
     result: msgspec.Raw  # an encoded result, or nil
     error: ErrorInfo | None
     usage: Usage
+    records: list[SequenceRecord]
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -194,7 +196,7 @@ def encode_outcomes(outcomes: list[Outcome], next_seqs: dict[str, int] | None = 
     for o in outcomes:
         kind = type(o.result).__name__ if o.result is not None else None
         raw = msgspec.Raw(encode(o.result))
-        msgs.append(_OutcomeMsg(o.request_id, kind, raw, o.error, o.usage))
+        msgs.append(_OutcomeMsg(o.request_id, kind, raw, o.error, o.usage, o.records))
     return encode(_OutcomesMsg(msgs, next_seqs or {}))
 
 
@@ -205,5 +207,7 @@ def decode_outcomes(data: bytes | memoryview) -> tuple[list[Outcome], dict[str, 
         result = None
         if m.result_type is not None:
             result = decode(m.result, _RESULT_TYPES[m.result_type])
-        out.append(Outcome(m.request_id, result=result, error=m.error, usage=m.usage))
+        out.append(
+            Outcome(m.request_id, result=result, error=m.error, usage=m.usage, records=m.records)
+        )
     return out, msg.next_seqs

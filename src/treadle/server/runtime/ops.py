@@ -151,10 +151,19 @@ class Skip:
     error: ErrorInfo
 
 
+@dataclass(frozen=True)
+class RecordTo:
+    """Whose sampled sequences a sample request records (record_stability_info)."""
+
+    tenant_id: str
+    session_id: str
+
+
 @dataclass
 class Sample:
     request: SampleRequest
     prompt_logprobs_last_n: int | None = None
+    record: RecordTo | None = None  # keep its sequences for provenance (core.sequences)
 
 
 @dataclass
@@ -277,12 +286,30 @@ class Usage:
     train_tokens: int = 0
 
 
+def sample_sequence_id(request_id: str, index: int) -> str:
+    """The id of a sample request's index-th sequence (its submit reply lists them)."""
+    return f"{request_id}:{index}"
+
+
+@dataclass
+class SequenceRecord:
+    """One sampled sequence to keep with its request's result (treadle.server.core.sequences)."""
+
+    sequence_id: str
+    tenant_id: str
+    session_id: str
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
 @dataclass
 class Outcome:
     """What became of one op: its typed result, or the error it failed with.
 
     `body` / `content_type` hold the wire form once made (treadle.server.core.results), so a
     result is encoded once, off the event loop, for both the database and the poll.
+    `records`: sampled sequences committed with the result (record_stability_info).
     """
 
     request_id: str
@@ -291,6 +318,7 @@ class Outcome:
     usage: Usage = field(default_factory=Usage)
     body: bytes | None = None
     content_type: str | None = None
+    records: list[SequenceRecord] = field(default_factory=list)
 
     @classmethod
     def ok(cls, request_id: str, result: Result, usage: Usage | None = None) -> Outcome:

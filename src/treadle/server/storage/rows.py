@@ -212,8 +212,30 @@ class ModelPackageRow(Base):
     output_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)
 
 
+class SampledSequenceRow(Base):
+    """A sequence sampled with record_stability_info, kept for the training requests that
+    name it in their provenance (treadle.server.core.sequences): its prompt, its tokens and
+    the sampler's logprob of each, as little-endian int32 / float32 bytes."""
+
+    __tablename__ = "sampled_sequences"
+    sequence_id: Mapped[str] = mapped_column(String(96), primary_key=True)  # <request_id>:<i>
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    prompt: Mapped[bytes] = mapped_column(LargeBinary)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    """Trainable until then; each training request that uses the sequence renews it."""
+
+
 # Tables whose rows belong to a tenant (a tenant_id column); databases written before
 # tenants existed get the column on open, their rows going to the development tenant.
-TENANT_TABLES = ("sessions", "models", "requests", "sampling_sessions", "checkpoints")
-
-
+TENANT_TABLES = (
+    "sessions",
+    "models",
+    "requests",
+    "sampling_sessions",
+    "checkpoints",
+    "sampled_sequences",
+)

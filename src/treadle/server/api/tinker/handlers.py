@@ -13,7 +13,7 @@ from typing import Any
 
 from treadle.errors import InvalidRequestError
 from treadle.server.api.tinker.replies import sample_sequence_id
-from treadle.server.core import validation
+from treadle.server.core import sequences, validation
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import check_binding
 from treadle.server.registry.sources import LoadSource
@@ -24,6 +24,7 @@ from treadle.server.runtime.ops import (
     OpKind,
     OptimStep,
     PackageTarget,
+    RecordTo,
     Sample,
     SaveSampler,
     SaveState,
@@ -94,7 +95,9 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     # a sparse tensor declares its size in a few bytes: what it densifies to counts
     size = max(len(body), 4 * _declared_cells(msg))
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, seq_id):
-        payload = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
+        payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
+        if sequences.needs_provenance(payload.loss_fn):
+            await sequences.attach(state.journal, payload, spans, tenant.tenant_id, row.session_id)
     rid = await state.futures.file(
         engine,
         OpKind.FORWARD if msg.forward_only else OpKind.FORWARD_BACKWARD,
@@ -107,9 +110,11 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     return _future(rid, row.model_id)
 
 
-def _train_data(msg: Any, state: ServerState, facts: Any) -> Any:
+def _train_data(msg: Any, state: ServerState, facts: Any) -> tuple[Any, list]:
+    """→ the checked payload, and each datum's provenance spans (checked by `sequences`)."""
     arrays = codec.forward_backward_arrays(msg, state.config.limits.max_request_cells)
-    return validation.train_data(arrays, facts)
+    spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in arrays.data]
+    return validation.train_data(arrays, facts), spans
 
 
 def _declared_cells(msg: Any) -> int:
@@ -342,10 +347,12 @@ async def asample(state: ServerState, tenant: Tenant, body: SampleRequest) -> di
         default,
         state.config.limits,
     )
+    # record_stability_info: its sequences are kept for the session's training requests
+    record = RecordTo(tenant.tenant_id, sampler.session_id) if body.record_stability_info else None
     rid = await state.futures.file(
         engine,
         OpKind.SAMPLE,
-        Sample(request, body.prompt_logprobs_last_n),
+        Sample(request, body.prompt_logprobs_last_n, record),
         tenant=tenant,
         session_id=sampler.session_id,
         seq_id=body.seq_id,

@@ -9,13 +9,11 @@ import json
 
 from treadle.server.core.futures import Polled
 from treadle.server.core.results import JSON_TYPE, PROTO_TYPE
-from treadle.server.runtime.ops import METERED_KINDS, OpKind
+from treadle.server.runtime.ops import METERED_KINDS, OpKind, sample_sequence_id
 from treadle.server.tenancy.metering import with_usage
 from treadle.wire import codec
 
-
-def sample_sequence_id(request_id: str, index: int) -> str:
-    return f"{request_id}:{index}"
+__all__ = ["reply", "sample_sequence_id"]
 
 
 def reply(request_id: str, polled: Polled, want_proto: bool) -> tuple[bytes, str]:

@@ -330,6 +330,19 @@ class TrainingClient:
             return self.save_weights_and_get_sampling_client()
         return self._service.create_sampling_client(model_path=model_path)
 
+    # ---- metrics -------------------------------------------------------------------------
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Report the loop's own metrics of a step (`train/reward`, `test/nll`, ...): the
+        server's console draws them beside its own per-step figures. A later report of the
+        same step replaces its values; non-finite numbers are skipped (named in the reply)."""
+        body = {
+            "model_id": self.model_id,
+            "step": int(step),
+            "metrics": {str(k): float(v) for k, v in metrics.items()},
+        }
+        return self._transport.call(self._transport.post("/api/v1/treadle/metrics", body))
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def stop(self, timeout: float | None = None, *, _finish_session: bool = True) -> None:

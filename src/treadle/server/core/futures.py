@@ -6,7 +6,8 @@ One database write per request, one per result, both through the journal:
   queues nothing, whether memory still knows the key or only the database does;
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them, and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
-  only once it is on disk;
+  only once it is on disk; the console's figures and timeline follow in a write of their
+  own (treadle.server.core.metrics);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class).
 
@@ -37,6 +38,7 @@ from treadle.errors import (
 )
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.limits import Admission
+from treadle.server.core.metrics import Metrics
 from treadle.server.core.results import encode, error_json, error_of
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.journal import Journal
@@ -69,12 +71,18 @@ class Polled:
 
 class Futures:
     def __init__(
-        self, journal: Journal, board: FutureBoard, admission: Admission, long_poll_s: float
+        self,
+        journal: Journal,
+        board: FutureBoard,
+        admission: Admission,
+        long_poll_s: float,
+        metrics: Metrics | None = None,
     ):
         self.journal = journal
         self.board = board
         self.admission = admission
         self.long_poll_s = long_poll_s
+        self.metrics = metrics
         # dedup key → request_id, or the commit still in flight for it
         self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
         self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
@@ -128,6 +136,8 @@ class Futures:
             "dedup_key": key,
         }
         self.expect(op.request_id, kind, tenant.tenant_id)
+        if self.metrics is not None:
+            self.metrics.filed(op, values)
         committed = self.journal.run(
             functools.partial(insert_request, values=values), then=lambda _: engine.submit(op)
         )
@@ -207,6 +217,8 @@ class Futures:
             self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
 
         self.journal.submit(write, done)
+        if self.metrics is not None:
+            self.metrics.finished(outcomes)
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:
@@ -258,6 +270,8 @@ class Futures:
                 self._remember(key, rid)
             return
         self.board.forget(rid)
+        if self.metrics is not None:
+            self.metrics.forget(rid)
         if key is not None and self.filed.get(key) is committed:
             del self.filed[key]
 

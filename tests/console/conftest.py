@@ -30,7 +30,9 @@ def chromium_path() -> str | None:
     return found if Path(found).exists() else None
 
 
-@pytest.fixture(scope="session")
+# Module scope: Playwright's sync API keeps an event loop running in this thread while it is
+# open, and later tests call asyncio.run.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     path = chromium_path()
     if path is None:

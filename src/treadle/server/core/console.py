@@ -48,7 +48,7 @@ BUCKET_S = 30  # tokens/s and requests per minute, in buckets of this many secon
 MAX_SESSIONS = 500
 MAX_POINTS = 2000  # per curve; longer curves are thinned
 TIMELINE_OPS = 300  # drawn on the session page
-SUMMARY_OPS = 5000  # percentiles over the session's last ops
+SUMMARY_OPS = 2000  # percentiles over the session's last ops
 SESSION_SORTS = (
     "created",
     "last_activity",

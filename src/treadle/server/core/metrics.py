@@ -361,10 +361,12 @@ def check_user_metrics(step: Any, metrics: Any) -> tuple[int, dict[str, float], 
 
 
 def _loss_tokens(tokens: np.ndarray, loss_inputs: Mapping[str, np.ndarray]) -> int:
-    weights = loss_inputs.get("weights")
-    if weights is None:
-        return int(len(tokens))
-    return int(np.count_nonzero(weights))
+    """Targets the loss counts: non-zero weights (cross_entropy) or advantages (the RL
+    losses); every position without either."""
+    for name in ("weights", "advantages"):
+        if name in loss_inputs:
+            return int(np.count_nonzero(loss_inputs[name]))
+    return int(len(tokens))
 
 
 def _end(o: Outcome) -> float:

@@ -49,6 +49,7 @@ def render(
 ) -> HTMLResponse:
     templates: Jinja2Templates = request.app.state.console_templates
     query = dict(request.query_params)
+    query.pop("part", None)  # which live part an htmx refresh asks for (see _live.html)
     if not viewer.admin:
         query.pop("tenant", None)  # means nothing to a tenant's own view
     context = {
@@ -97,12 +98,13 @@ def session_page(
     session_id: str, request: Request, views: ViewsDep, viewer: ViewerDep
 ) -> HTMLResponse:
     """One session: its curves, checkpoints, cost so far and request timeline."""
+    part = request.query_params.get("part")  # a refresh of the cards needs no timeline
     try:
         session = views.session(viewer.scope(views), session_id)
-        line = views.timeline(viewer.scope(views), session_id)
+        line = views.timeline(viewer.scope(views), session_id) if part != "live" else None
     except NotFoundError as e:
         return error_page(request, viewer, e)
-    bars = timeline.svg_bars(line["ops"])
+    bars = timeline.svg_bars(line["ops"]) if line else None
     return render(request, viewer, "session.html", s=session, line=line, bars=bars)
 
 

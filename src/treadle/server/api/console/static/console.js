@@ -156,7 +156,7 @@
         ],
       }, [xs, tokens, cost]);
       fig.dataset.points = String(xs.length);
-    }, POLL_MS * 5);
+    }, POLL_MS * 2);
   }
 
   function start() {

@@ -40,6 +40,8 @@ def test_a_browser_logs_in_and_its_cookie_only_reads(tenant_server):
     assert anonymous.get("/console/static/vendor/htmx.LICENSE").status_code == 200
     wrong = anonymous.post("/console/login", data={"key": "tml-" + "q" * 43})
     assert wrong.status_code == 401 and "not recognised" in wrong.text
+    evil = {"origin": "https://evil.example"}  # another site's form cannot log a browser in
+    assert anonymous.post("/console/login", data={"key": key}, headers=evil).status_code == 403
     # never an open redirect: `next` must be a console page
     logged = anonymous.post("/console/login", data={"key": key, "next": "https://evil.example/"})
     assert logged.status_code == 303 and logged.headers["location"] == "/console"

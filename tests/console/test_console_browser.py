@@ -44,9 +44,11 @@ class Loop(threading.Thread):
     """A small training loop of one tenant (forward_backward, optim_step, a few samples,
     its own metrics; a checkpoint after step SAVE_AT), one step each time `go` is released."""
 
-    def __init__(self, url: str, key: str, steps: int = STEPS, gated: bool = True):
+    def __init__(
+        self, url: str, key: str, steps: int = STEPS, gated: bool = True, group: str | None = None
+    ):
         super().__init__(daemon=True)
-        self.url, self.key, self.steps = url, key, steps
+        self.url, self.key, self.steps, self.group = url, key, steps, group
         self.go = threading.Semaphore(0 if gated else steps)
         self.ready = threading.Event()
         self.done = 0
@@ -58,7 +60,8 @@ class Loop(threading.Thread):
         rng = np.random.default_rng(0)
         svc = None
         try:
-            svc = ServiceClient(base_url=self.url, api_key=self.key)
+            # with a model package group, every save is a version too
+            svc = ServiceClient(base_url=self.url, api_key=self.key, model_package_group=self.group)
             tc = svc.create_lora_training_client(TINY, rank=4, alpha=8)
             self.session_id = svc.session_id
             self.ready.set()
@@ -124,7 +127,7 @@ def api(server, key: str) -> httpx.Client:
 @pytest.fixture(scope="module")
 def alice_run(browser, tenant_server, shots_dir):
     """Alice's loop, watched step by step on her session page; → (loop, page)."""
-    loop = Loop(tenant_server.url, tenant_server.keys["alice"])
+    loop = Loop(tenant_server.url, tenant_server.keys["alice"], group="alice-run")
     loop.start()
     assert loop.ready.wait(180) and loop.error is None, loop.error
     page = login(browser, tenant_server, tenant_server.keys["alice"])
@@ -209,6 +212,13 @@ def test_every_page_shows_the_tenants_own_figures(alice_run, tenant_server, shot
     shot(page, shots_dir, "sessions")
     page.goto(f"{server}/console/checkpoints")
     page.wait_for_selector(f'#tinker-checkpoints tr[data-path="{loop.saved}"]')
+    group = page.locator('section.group[data-group="alice-run"]')
+    # a version per sampler refresh and one for the saved state, newest first
+    group.locator('tr[data-ref="alice-run:1"]').wait_for()
+    assert group.locator("tr[data-ref]").count() == STEPS + 1
+    with page.expect_download() as download:
+        group.locator('tr[data-ref="alice-run:1"] a', has_text="download").click()
+    assert download.value.suggested_filename == "alice-run-v1.tar"
     shot(page, shots_dir, "checkpoints")
     page.goto(f"{server}/console")
     page.wait_for_selector(f'#engines tr[data-engine="{TINY}"]')

@@ -88,7 +88,8 @@ def run(tmp_path, scenario) -> None:
 
 async def settle(futures: Futures, request_id: str) -> None:
     await futures.result(request_id)  # its outcome committed and delivered
-    await futures.journal.run(lambda conn: None)  # and the figures' write behind it
+    await futures.journal.run(lambda conn: None)  # its figures recorded (after the commit)
+    await asyncio.to_thread(futures.metrics.flush)  # and written
 
 
 def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
@@ -164,6 +165,7 @@ def test_a_failed_op_is_recorded_and_opens_no_step(tmp_path):
         with pytest.raises(Exception, match="boom"):
             await futures.result(rid)
         await futures.journal.run(lambda conn: None)
+        await asyncio.to_thread(metrics.flush)
         (op,) = store.query(select(OpRecordRow))
         assert op.status == "failed" and "boom" in op.error and op.step == 0
         assert store.query(select(StepFigureRow)) == []

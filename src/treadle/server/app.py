@@ -92,6 +92,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         app.state.console = ConsoleViews(
             config, store, state.engines, state.futures.metrics, state.admission.spend
         )
+        state.futures.metrics.start()
         try:
             for name, path in config.models.items():
                 log.info("loading model %s from %s", name, path)
@@ -111,6 +112,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         finally:
             for engine in state.engines.all():  # first: their last outcomes go to the journal
                 engine.stop()
+            await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
             store.close()

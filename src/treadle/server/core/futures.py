@@ -6,8 +6,8 @@ One database write per request, one per result, both through the journal:
   queues nothing, whether memory still knows the key or only the database does;
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them, and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
-  only once it is on disk; the console's figures and timeline follow in a write of their
-  own (treadle.server.core.metrics);
+  only once it is on disk; the console's figures and timeline are recorded after that
+  (treadle.server.core.metrics, which writes them a moment later);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class).
 
@@ -209,16 +209,16 @@ class Futures:
         def done(_: Any, error: BaseException | None) -> None:
             if error is None:
                 self.board.resolve(outcomes)
-                return
-            log.error("could not record %d results", len(outcomes), exc_info=error)
-            failed = TreadleError(
-                f"the server could not record this result: {type(error).__name__}: {error}"
-            )
-            self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
+            else:
+                log.error("could not record %d results", len(outcomes), exc_info=error)
+                failed = TreadleError(
+                    f"the server could not record this result: {type(error).__name__}: {error}"
+                )
+                self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
+            if self.metrics is not None:  # the console's figures: after, never before, a result
+                self.metrics.finished(outcomes)
 
         self.journal.submit(write, done)
-        if self.metrics is not None:
-            self.metrics.finished(outcomes)
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:

@@ -3,28 +3,31 @@ recorded where every outcome finishes (treadle.server.core.futures).
 
 - Filing (Futures.file, on the event loop) notes each op's context in memory: tenant, key,
   session, model, served model, kind, when it was filed, and for a forward_backward the
-  tokens its loss counts (non-zero weights) and its datums.
-- Finishing (Futures.finish, on an engine thread) hands the outcomes to the journal as one
-  more write, queued right behind their results: it joins their transaction when it can and
-  fails alone when it fails (the journal retries a failed batch write by write), so a
-  result never waits on its figures nor fails because of them. The write adds
+  tokens its loss counts (non-zero weights or advantages) and its datums.
+- Finishing (Futures.finish, once the results are committed and their polls woken, on the
+  journal thread in commit order) numbers the steps and records, in memory:
   - one op_records row per op: filed / started / finished times, status, usage, the number
     of ops in the same engine call, and the step of a training op;
   - the step figures of a training model (step_figures): step s of a model is the number of
     optim_steps it completed before; each forward_backward adds to its step's loss sum,
-    loss tokens and tokens (the step's rows are rewritten as they grow), an optim_step
-    writes grad_norm and learning_rate and closes the step.
-  Once committed, successful ops feed the spend caps' counters (treadle.server.tenancy.spend).
+    loss tokens and tokens, an optim_step sets grad_norm and learning_rate and closes the
+    step;
+  and feeds the spend caps' counters (treadle.server.tenancy.spend).
+- A thread of its own writes what was recorded through the journal, FLUSH_S after the first
+  of it, in one write: a result is never held up by its figures, nor a loop's next request
+  by its last one's (a crash loses at most the last FLUSH_S of figures; results are never
+  at stake). A write that fails is logged and dropped.
 - In memory, for the overview: the ops in flight per served model and tenant, and the sizes
   of recent engine calls (ops and rows per call).
 
-Steps are numbered per training model by this process, on the journal thread, in the order
-results are recorded (each model's seq_id order); a model made from a checkpoint starts at
-step 0 again (the loop's own metrics carry the loop's step).
+Steps are numbered per training model by this process, in the order results are committed
+(each model's seq_id order); a model made from a checkpoint starts at step 0 again (the
+loop's own metrics carry the loop's step).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, delete, insert
+from sqlalchemy.dialects import postgresql, sqlite
 
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.ops import (
@@ -62,6 +66,8 @@ LOSS = "server/loss"  # loss:sum per loss token (targets with a non-zero weight)
 LOSS_SUM, LOSS_TOKENS, TOKENS = "server/loss_sum", "server/loss_tokens", "server/tokens"
 GRAD_NORM, LEARNING_RATE = "server/grad_norm", "server/learning_rate"
 SERVER_FIGURES = (LOSS, GRAD_NORM, LEARNING_RATE, TOKENS, LOSS_SUM, LOSS_TOKENS)
+# How long recorded figures gather before one write (a loop's next request never waits on them).
+FLUSH_S = 0.2
 MAX_NAME_CHARS = 128
 MAX_METRICS_PER_CALL = 512
 
@@ -104,9 +110,27 @@ class Metrics:
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, Filed] = OrderedDict()
         self._calls: dict[str, deque[Call]] = defaultdict(lambda: deque(maxlen=MAX_CALLS))
-        # journal thread only:
         self._steps: dict[str, int] = {}  # model_id → optim_steps recorded
         self._open: dict[str, StepSums] = {}  # model_id → its current step's sums
+        # recorded, not yet written: op_records rows, and step figures by (model, step)
+        self._records: list[dict[str, Any]] = []
+        self._figures: dict[tuple[str, int], tuple[Filed, dict[str, float]]] = {}
+        self._wake = threading.Condition(self._lock)
+        self._flush_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is recorded (before the journal stops)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(30)
+        self.flush()
 
     # ---- filing and finishing (Futures) ----
     def filed(self, op: Op, values: Mapping[str, Any]) -> None:
@@ -137,33 +161,28 @@ class Metrics:
             self._pending.pop(request_id, None)
 
     def finished(self, outcomes: list[Outcome]) -> None:
-        """Record outcomes (any thread; never blocks): queued on the journal behind their
-        results."""
+        """Record outcomes whose results are committed (the journal thread, in commit order;
+        never blocks): steps are numbered here, the rows are written a moment later."""
         with self._lock:
             entries = [(o, f) for o in outcomes if (f := self._pending.pop(o.request_id, None))]
-            self._note_calls(entries)
-        if not entries:
-            return
-
-        def write(conn: Connection) -> None:
-            self._record(conn, entries)
-
-        def done(_: Any, error: BaseException | None) -> None:
-            if error is not None:
-                log.warning("could not record the figures of %d ops", len(entries), exc_info=error)
-            if self.spend is None:
+            if not entries:
                 return
+            self._note_calls(entries)
+            per_call = Counter(o.started_at for o, _ in entries if o.started_at is not None)
+            for o, f in entries:
+                step = self._figures_of(o, f)
+                self._records.append(_record(o, f, step, per_call))
+            self._wake.notify()
+        if self.spend is not None:
             for o, f in entries:
                 if o.succeeded:
                     u = o.usage
                     counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens)
                     self.spend.add(f.tenant_id, f.key_id, f.base_model, counts, _end(o))
 
-        self.journal.submit(write, done)
-
     def _note_calls(self, entries: list[tuple[Outcome, Filed]]) -> None:
         # The outcomes of one engine call share its start time.
-        calls: dict[tuple[str, float], dict[str, tuple[int, int]]] = {}
+        calls: dict[tuple[str, float, str], dict[str, tuple[int, int]]] = {}
         for o, f in entries:
             group = (
                 "train" if f.kind in TRAIN_KINDS else "sample" if f.kind == OpKind.SAMPLE else None
@@ -176,50 +195,41 @@ class Metrics:
         for (base_model, _, group), by_tenant in calls.items():
             self._calls[base_model].append(Call(time.time(), group, by_tenant))
 
-    # ---- the journal thread ----
-    def _record(self, conn: Connection, entries: list[tuple[Outcome, Filed]]) -> None:
-        per_call = Counter(o.started_at for o, _ in entries if o.started_at is not None)
-        records, steps_touched = [], {}
-        for o, f in entries:
-            step = self._figures_of(o, f, steps_touched)
-            u = o.usage
-            records.append(
-                {
-                    "request_id": o.request_id,
-                    "tenant_id": f.tenant_id,
-                    "key_id": f.key_id,
-                    "session_id": f.session_id,
-                    "model_id": f.model_id,
-                    "base_model": f.base_model,
-                    "kind": str(f.kind),
-                    "status": "done" if o.succeeded else "failed",
-                    "error": o.error.message[:500] if o.error is not None else None,
-                    "queued_at": f.queued_at,
-                    "started_at": o.started_at,
-                    "finished_at": _end(o),
-                    "batch_ops": per_call.get(o.started_at, 1) if o.started_at else 1,
-                    "step": step,
-                    "prompt_tokens": u.prompt_tokens,
-                    "sampled_tokens": u.sampled_tokens,
-                    "train_tokens": u.train_tokens,
-                }
-            )
-        conn.execute(insert(OP_RECORDS), records)
-        now = time.time()
-        for (model_id, step), (f, values) in steps_touched.items():
-            write_figures(
-                conn, f.tenant_id, f.session_id or "", model_id, step, values, "server", now
-            )
+    # ---- writing: off the path of results ----
+    def _run(self) -> None:
+        # Gather for FLUSH_S once something is recorded, then write it all in one journal
+        # write: a loop's next request never queues behind its last one's figures.
+        while True:
+            with self._wake:
+                while not self._stopping and not (self._records or self._figures):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                self._wake.wait(FLUSH_S)
+            self.flush()
 
-    def _figures_of(
-        self, o: Outcome, f: Filed, touched: dict[tuple[str, int], tuple[Filed, dict]]
-    ) -> int | None:
-        """The step of a training op, and its figures into `touched`."""
+    def flush(self) -> None:
+        """Write what is recorded and wait for its commit (any thread but the journal's)."""
+        with self._flush_lock:
+            with self._lock:
+                records, figures = self._records, self._figures
+                self._records, self._figures = [], {}
+            if not records and not figures:
+                return
+            try:
+                self.journal.call(functools.partial(_write, records=records, figures=figures))
+            except Exception:
+                log.warning("could not record the figures of %d ops", len(records), exc_info=True)
+
+    def _figures_of(self, o: Outcome, f: Filed) -> int | None:
+        """The step of a training op; its figures go into the step's (under the lock)."""
         if f.model_id is None or f.kind not in (OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP):
             return None
         step = self._steps.get(f.model_id, 0)
         if not o.succeeded:
             return step
+        key = (f.model_id, step)
+        values = self._figures.setdefault(key, (f, {}))[1]
         if f.kind == OpKind.FORWARD_BACKWARD:
             sums = self._open.get(f.model_id)
             if sums is None or sums.step != step:
@@ -229,17 +239,14 @@ class Metrics:
                 sums.sums[LOSS_SUM] += float(loss)
             sums.sums[LOSS_TOKENS] += f.loss_tokens
             sums.sums[TOKENS] += f.tokens
-            values = dict(sums.sums)
-            if LOSS_SUM in values and values[LOSS_TOKENS] > 0:
-                values[LOSS] = values[LOSS_SUM] / values[LOSS_TOKENS]
-            touched.setdefault((f.model_id, step), (f, {}))[1].update(values)
+            values.update(sums.sums)
+            if LOSS_SUM in sums.sums and sums.sums[LOSS_TOKENS] > 0:
+                values[LOSS] = sums.sums[LOSS_SUM] / sums.sums[LOSS_TOKENS]
             return step
         metrics = o.result.metrics if isinstance(o.result, OptimResult) else {}
-        values = {}
-        for name, key in ((GRAD_NORM, "grad_norm:mean"), (LEARNING_RATE, "learning_rate:mean")):
-            if key in metrics and math.isfinite(metrics[key]):
-                values[name] = float(metrics[key])
-        touched.setdefault((f.model_id, step), (f, {}))[1].update(values)
+        for name, k in ((GRAD_NORM, "grad_norm:mean"), (LEARNING_RATE, "learning_rate:mean")):
+            if k in metrics and math.isfinite(metrics[k]):
+                values[name] = float(metrics[k])
         self._steps[f.model_id] = step + 1
         self._open.pop(f.model_id, None)
         return step
@@ -298,6 +305,42 @@ class Metrics:
         return out
 
 
+def _record(o: Outcome, f: Filed, step: int | None, per_call: Counter) -> dict[str, Any]:
+    """The op_records row of one outcome."""
+    u = o.usage
+    return {
+        "request_id": o.request_id,
+        "tenant_id": f.tenant_id,
+        "key_id": f.key_id,
+        "session_id": f.session_id,
+        "model_id": f.model_id,
+        "base_model": f.base_model,
+        "kind": str(f.kind),
+        "status": "done" if o.succeeded else "failed",
+        "error": o.error.message[:500] if o.error is not None else None,
+        "queued_at": f.queued_at,
+        "started_at": o.started_at,
+        "finished_at": _end(o),
+        "batch_ops": per_call.get(o.started_at, 1) if o.started_at is not None else 1,
+        "step": step,
+        "prompt_tokens": u.prompt_tokens,
+        "sampled_tokens": u.sampled_tokens,
+        "train_tokens": u.train_tokens,
+    }
+
+
+def _write(
+    conn: Connection,
+    records: list[dict[str, Any]],
+    figures: dict[tuple[str, int], tuple[Filed, dict[str, float]]],
+) -> None:
+    if records:
+        conn.execute(insert(OP_RECORDS), records)
+    now = time.time()
+    for (model_id, step), (f, values) in figures.items():
+        write_figures(conn, f.tenant_id, f.session_id or "", model_id, step, values, "server", now)
+
+
 def write_figures(
     conn: Connection,
     tenant_id: str,
@@ -308,18 +351,11 @@ def write_figures(
     source: str,
     at: float,
 ) -> None:
-    """Replace the figures `values` of (model, step, source)."""
+    """Replace the figures `values` of (model, step, source): one upsert on SQLite and
+    PostgreSQL, a delete and an insert elsewhere."""
     if not values:
         return
     t = STEP_FIGURES
-    conn.execute(
-        delete(t).where(
-            (t.c.model_id == model_id)
-            & (t.c.step == step)
-            & (t.c.source == source)
-            & t.c.name.in_(list(values))
-        )
-    )
     rows = [
         {
             "tenant_id": tenant_id,
@@ -333,6 +369,24 @@ def write_figures(
         }
         for name, value in values.items()
     ]
+    dialect = conn.dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        module = sqlite if dialect == "sqlite" else postgresql
+        stmt = module.insert(t)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["model_id", "step", "name", "source"],
+            set_={"value": stmt.excluded.value, "at": stmt.excluded.at},
+        )
+        conn.execute(stmt, rows)
+        return
+    conn.execute(
+        delete(t).where(
+            (t.c.model_id == model_id)
+            & (t.c.step == step)
+            & (t.c.source == source)
+            & t.c.name.in_(list(values))
+        )
+    )
     conn.execute(insert(t), rows)
 
 

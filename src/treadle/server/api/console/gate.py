@@ -2,9 +2,9 @@
 the static files (the vendored htmx and uPlot, the console's own CSS and JS).
 
 Pure ASGI, outside the TenantMiddleware, so the API's authentication stays the only one:
-- /console/login (GET: the form; POST: checks the key like any request, then sets it as an
-  HttpOnly, SameSite=Strict cookie), /console/logout and /console/static/... are served here
-  and hold no tenant data;
+- /console/login (GET: the form; POST, from the same origin only: checks the key like any
+  request, then sets it as an HttpOnly, SameSite=Strict cookie), /console/logout and
+  /console/static/... are served here and hold no tenant data;
 - a GET of a console page or of its JSON endpoints that carries no key header gets the
   cookie's key as X-API-Key, and is then authenticated and scoped as any API call (only GETs:
   a cookie never authorises a request that changes anything);
@@ -112,6 +112,8 @@ async def login(request: Request) -> Response:
     if request.method == "GET":
         context = {"next": nxt, "message": None, "dev_mode": keyring.dev_mode}
         return templates.TemplateResponse(request, "login.html", context)
+    if not _same_origin(request):  # another site's form must not log this browser in
+        return Response("cross-site login refused", status_code=403)
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     key = (form.get("key") or [""])[0].strip()
     nxt = _next((form.get("next") or [nxt])[0])
@@ -131,6 +133,13 @@ async def login(request: Request) -> Response:
         secure=request.url.scheme == "https",
     )
     return response
+
+
+def _same_origin(request: Request) -> bool:
+    """Browsers send Origin with every form POST: one from another site is refused (it would
+    log this browser in with a key of that site's choosing). No Origin: not a browser form."""
+    origin = request.headers.get("origin")
+    return origin is None or origin.split("://", 1)[-1] == request.headers.get("host", "")
 
 
 async def logout(request: Request) -> Response:

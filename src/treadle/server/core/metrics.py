@@ -169,10 +169,12 @@ class Metrics:
                 return
             self._note_calls(entries)
             per_call = Counter(o.started_at for o, _ in entries if o.started_at is not None)
+            idle = not self._records
             for o, f in entries:
                 step = self._figures_of(o, f)
                 self._records.append(_record(o, f, step, per_call))
-            self._wake.notify()
+            if idle:  # the writer waits for a first record, then gathers for FLUSH_S
+                self._wake.notify()
         if self.spend is not None:
             for o, f in entries:
                 if o.succeeded:
@@ -205,7 +207,7 @@ class Metrics:
                     self._wake.wait()
                 if self._stopping:
                     return
-                self._wake.wait(FLUSH_S)
+                self._wake.wait_for(lambda: self._stopping, FLUSH_S)
             self.flush()
 
     def flush(self) -> None:

@@ -278,6 +278,9 @@ def test_lanes_never_overlap_and_the_trace_nests_runs_in_ops():
             )
     names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
     assert len(names) == len(set(lanes))
+    bars = timeline.svg_bars(ops)
+    assert len(bars["bars"]) == len(ops) and bars["height"] <= 480
+    assert all(0 <= b["x0"] <= b["x1"] <= b["x2"] <= bars["width"] + 0.5 for b in bars["bars"])
 
 
 # ---- spend caps ----

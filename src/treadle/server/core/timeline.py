@@ -157,13 +157,17 @@ def chrome_trace(ops: Sequence[dict[str, Any]], title: str) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
-def svg_bars(ops: Sequence[dict[str, Any]], width: float = 1000.0, lane_px: float = 12.0) -> dict:
+def svg_bars(
+    ops: Sequence[dict[str, Any]], width: float = 1000.0, max_height: float = 480.0
+) -> dict:
     """Bars for the page's timeline drawing: per op its lane row and x positions of
-    filing, start and end scaled to `width`, with the group labels of the rows."""
+    filing, start and end scaled to `width`, with the group labels of the rows. Rows are
+    12 px high, thinner when there are many (many samples in flight), down to 3 px."""
     if not ops:
         return {"bars": [], "rows": [], "height": 0, "span_s": 0.0, "width": width}
     lanes = assign_lanes(ops)
     keys = sorted(set(lanes))
+    lane_px = max(3.0, min(12.0, max_height / len(keys)))
     row_of = {k: i for i, k in enumerate(keys)}
     t0 = min(op["queued_at"] for op in ops)
     t1 = max(op["finished_at"] for op in ops)

@@ -207,16 +207,16 @@ class Futures:
             finish_requests(conn, [encode(o) for o in outcomes])
 
         def done(_: Any, error: BaseException | None) -> None:
-            if error is None:
-                self.board.resolve(outcomes)
-            else:
+            resolved = outcomes
+            if error is not None:
                 log.error("could not record %d results", len(outcomes), exc_info=error)
                 failed = TreadleError(
                     f"the server could not record this result: {type(error).__name__}: {error}"
                 )
-                self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
+                resolved = [Outcome.failed(o.request_id, failed) for o in outcomes]
+            self.board.resolve(resolved)
             if self.metrics is not None:  # the console's figures: after, never before, a result
-                self.metrics.finished(outcomes)
+                self.metrics.finished(resolved)
 
         self.journal.submit(write, done)
 

@@ -8,6 +8,10 @@ figures are still there after a restart.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import httpx
 import numpy as np
 
@@ -149,3 +153,20 @@ def test_a_cookbook_loops_metrics_and_the_servers_figures_survive_a_restart(star
     page = http.get(f"/console/sessions/{rl}")
     assert page.status_code == 200 and 'id="curves"' in page.text
     assert 'id="percentiles"' in page.text
+
+
+def test_an_admin_key_made_by_the_cli_sees_every_tenant(tenant_server):
+    def cli(*args: str) -> str:
+        cmd = [sys.executable, "-m", "treadle.cli", "admin", *args]
+        cmd += ["--data-dir", str(tenant_server.data_dir)]
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+    key = cli("create-key", "bob", "--admin").strip()
+    plain = tenant_server.keys["bob"]
+    for k, admin in ((key, True), (plain, False)):
+        got = httpx.get(
+            f"{tenant_server.url}/api/v1/treadle/console/overview", headers={"X-API-Key": k}
+        )
+        assert got.json()["viewer"] == {"tenant": "bob", "admin": admin, "dev_mode": False}
+    (bob,) = [t for t in json.loads(cli("list")) if t["name"] == "bob"]
+    assert [k.get("admin", False) for k in bob["keys"]] == [False, True]

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv sysdeps demo test compat lint proto bench clean
+.PHONY: venv sysdeps demo test compat console-screenshots lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# System packages: bubblewrap, the local code sandbox's isolation (installed as root with
-# apt-get when missing; otherwise this says what to install).
+# System packages: bubblewrap, the local code sandbox's isolation, and Chromium, which the
+# console's browser tests drive (installed as root with apt-get when missing; otherwise this
+# says what to install; without Chromium those tests skip).
 sysdeps:
 	@if command -v bwrap >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -24,6 +25,13 @@ sysdeps:
 	else \
 		echo "The local code sandbox needs bubblewrap: apt-get install bubblewrap (Debian/Ubuntu)," \
 			"dnf install bubblewrap (Fedora/RHEL), apk add bubblewrap (Alpine), pacman -S bubblewrap (Arch)"; \
+	fi
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
+	else \
+		echo "The console's browser tests need Chromium: apt-get install chromium (Debian)," \
+			"or set TREADLE_CHROMIUM to a Chromium binary; they skip without it"; \
 	fi
 
 demo: venv
@@ -35,6 +43,11 @@ test: venv sysdeps
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
 compat: venv
 	$(PY) -m pytest -q tests/compat
+
+# The console's browser tests; the session page's screenshot becomes the README's.
+console-screenshots: venv sysdeps
+	$(PY) -m pytest -q tests/console/test_console_browser.py
+	cp runs/console-screenshots/session.png docs/console-session.png
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench

@@ -358,6 +358,43 @@ LISTINGS = {
     ("GET", "/api/v1/treadle/usage"),
     ("GET", "/v1/models"),
 }
+# The web console: its pages and JSON endpoints for one session, a version's download, and
+# the loop's own metrics (treadle.server.api.console).
+CONSOLE_SESSION = "/api/v1/treadle/console/sessions/{session_id}"
+PROBES.update(
+    {
+        ("GET", "/console/sessions/{session_id}"): lambda r, b: [
+            ("GET", f"/console/sessions/{r['session']}", {})
+        ],
+        **{
+            ("GET", CONSOLE_SESSION + tail): lambda r, b, tail=tail: [
+                ("GET", CONSOLE_SESSION.format(session_id=r["session"]) + tail, {})
+            ]
+            for tail in ("", "/metrics", "/timeline", "/trace")
+        },
+        ("GET", "/console/download/{ref}"): lambda r, b: [
+            ("GET", f"/console/download/{r['version']}", {})
+        ],
+        ("POST", "/api/v1/treadle/metrics"): lambda r, b: [
+            (
+                "POST",
+                "/api/v1/treadle/metrics",
+                {"json": {"model_id": r[k], "step": 0, "metrics": {"x": 1.0}}},
+            )
+            for k in ("model", "grouped_model")
+        ],
+    }
+)
+LISTINGS |= {
+    ("GET", "/console"),
+    ("GET", "/console/sessions"),
+    ("GET", "/console/checkpoints"),
+    ("GET", "/console/usage"),
+    ("GET", "/api/v1/treadle/console/overview"),
+    ("GET", "/api/v1/treadle/console/sessions"),
+    ("GET", "/api/v1/treadle/console/checkpoints"),
+    ("GET", "/api/v1/treadle/console/usage"),
+}
 # Routes that name no tenant resource.
 NO_RESOURCE = {
     ("GET", "/api/v1/healthz"): "health check",

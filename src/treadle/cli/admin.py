@@ -5,9 +5,12 @@ or a --config file's data_dir / db_url); `treadle usage --url` asks a running se
 instead, for the tenant of --api-key.
 
 treadle admin create-tenant acme --requests-per-minute 600
-treadle admin create-key acme          # prints the key once
+treadle admin create-key acme          # prints the key once (--admin: it sees every tenant
+                                       # in the console)
 treadle admin revoke-key tml-AbCdEfGh
 treadle admin set-quotas acme --max-concurrent-sessions 4
+treadle admin set-spend-cap acme --period day --usd 20 --tokens 5000000
+treadle admin set-spend-cap acme --key tml-AbCdEfGh --period month --usd 100
 treadle admin list
 treadle usage --tenant acme --since 2026-11-01 --by model
 """
@@ -66,7 +69,7 @@ def _run(fn) -> None:
 
 
 def admin(args: argparse.Namespace) -> None:
-    from treadle.server.tenancy import tenants
+    from treadle.server.tenancy import spend, tenants
 
     def go() -> None:
         store = _store(args)
@@ -75,11 +78,11 @@ def admin(args: argparse.Namespace) -> None:
                 row = tenants.create_tenant(store, args.name, _quotas(args))
                 print(f"created tenant {row.name} (id {row.tenant_id})")
             elif args.admin_command == "create-key":
-                key, row = tenants.create_key(store, args.tenant)
+                key, row = tenants.create_key(store, args.tenant, admin=args.admin)
                 print(key)
                 print(
-                    f"key {row.key_id}... for tenant {args.tenant}: shown once, only its hash "
-                    "is stored",
+                    f"{'admin ' if args.admin else ''}key {row.key_id}... for tenant "
+                    f"{args.tenant}: shown once, only its hash is stored",
                     file=sys.stderr,
                 )
             elif args.admin_command == "revoke-key":
@@ -88,8 +91,21 @@ def admin(args: argparse.Namespace) -> None:
             elif args.admin_command == "set-quotas":
                 row = tenants.set_quotas(store, args.tenant, _quotas(args))
                 print(f"tenant {row.name} quotas: {json.dumps(row.quotas or {})}")
+            elif args.admin_command == "set-spend-cap":
+                cap = spend.set_cap(
+                    store, args.tenant, args.period, args.tokens, args.usd, key=args.key
+                )
+                who = f"key {args.key[:12]}..." if args.key else f"tenant {args.tenant}"
+                if cap is None:
+                    print(f"{who}: no spend cap per {args.period}")
+                else:
+                    print(f"{who}: spend cap per {args.period} (UTC): {json.dumps(cap)}")
             elif args.admin_command == "list":
-                print(json.dumps(tenants.list_tenants(store), indent=2))
+                listed = tenants.list_tenants(store)
+                caps = spend.list_caps(store)
+                for t in listed:
+                    t["spend_caps"] = [c for c in caps if c["tenant"] == t["name"]]
+                print(json.dumps(listed, indent=2))
         finally:
             store.close()
 
@@ -166,12 +182,24 @@ def add_parsers(sub: Any) -> None:
     _quota_flags(q)
     q = admin_sub.add_parser("create-key", help="a new API key for a tenant, printed once")
     q.add_argument("tenant", help="tenant name or id")
+    q.add_argument(
+        "--admin", action="store_true", help="the key also sees every tenant in the console"
+    )
     q = admin_sub.add_parser("revoke-key", help="stop a key at once")
     q.add_argument("key", help="the key, or its id (its first 12 characters, see list)")
     q = admin_sub.add_parser("set-quotas", help="set a tenant's quotas (0 clears one)")
     q.add_argument("tenant", help="tenant name or id")
     _quota_flags(q)
-    admin_sub.add_parser("list", help="tenants, their quotas and key ids, as JSON")
+    q = admin_sub.add_parser(
+        "set-spend-cap",
+        help="cap what a tenant (or one of its keys) spends per UTC day or month; 0 clears",
+    )
+    q.add_argument("tenant", help="tenant name or id")
+    q.add_argument("--period", choices=["day", "month"], required=True)
+    q.add_argument("--tokens", type=int, help="prefill + sample + train tokens (0 clears)")
+    q.add_argument("--usd", type=float, help="dollars, from the config's prices (0 clears)")
+    q.add_argument("--key", help="cap only this key of the tenant (the key or its id)")
+    admin_sub.add_parser("list", help="tenants, their quotas, spend caps and key ids, as JSON")
     for q in admin_sub.choices.values():
         _db_flags(q)
     p.set_defaults(func=admin)

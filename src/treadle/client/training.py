@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -367,6 +368,21 @@ class TrainingClient:
         return self._service.create_sampling_client(
             model_path=model_path, record_stability_info=record_stability_info
         )
+
+    # ---- metrics -------------------------------------------------------------------------
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Report the loop's own metrics of a step (`train/reward`, `test/nll`, ...): the
+        server's console draws them beside its own per-step figures. A later report of the
+        same step replaces its values; non-finite numbers are skipped (named in the reply)."""
+        values = {str(k): float(v) for k, v in metrics.items()}
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}  # JSON has no NaN
+        skipped = [k for k in values if k not in finite]
+        if not finite:
+            return {"recorded": 0, "skipped": skipped}
+        body = {"model_id": self.model_id, "step": int(step), "metrics": finite}
+        reply = self._transport.call(self._transport.post("/api/v1/treadle/metrics", body))
+        return {**reply, "skipped": skipped + list(reply.get("skipped", []))}
 
     # ---- lifecycle -----------------------------------------------------------------------
 

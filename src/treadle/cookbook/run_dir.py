@@ -2,12 +2,15 @@
 
 Re-opening the same folder resumes: the last checkpoint record says where to start.
 MLflow logging is optional: it is used when `mlflow` is installed and a tracking URI is given.
+Each step's metrics also go to the server (`TrainingClient.log_metrics`) once a training
+client is attached, so that its console shows them beside the server's own figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from typing import Any
 from tqdm import tqdm
 
 from treadle.errors import InvalidRequestError
+
+log = logging.getLogger("treadle.cookbook")
 
 
 class RunDir:
@@ -26,6 +31,12 @@ class RunDir:
         self._mlflow = (
             _start_mlflow(mlflow_uri, self.path.name, self.config) if mlflow_uri else None
         )
+        self._client = None  # the training client whose server also gets the metrics
+        self._report_failed = False
+
+    def attach(self, training_client) -> None:
+        """Report every step's metrics to this client's server too (its console)."""
+        self._client = training_client
 
     def _check_or_write_config(self) -> None:
         config_path = self.path / "config.json"
@@ -50,6 +61,13 @@ class RunDir:
             self._mlflow.log_metrics(
                 {k.replace(":", "_"): v for k, v in metrics.items()}, step=step
             )
+        report = getattr(self._client, "log_metrics", None)  # the tinker SDK has none
+        if report is not None and not self._report_failed:
+            try:
+                report(step, metrics)
+            except Exception as e:  # noqa: BLE001 - the run goes on; its folder has them
+                self._report_failed = True
+                log.warning("the server did not take the metrics (%s); not sending more", e)
 
     def metrics(self) -> list[dict[str, float]]:
         path = self.path / "metrics.jsonl"
@@ -96,16 +114,19 @@ def open_training_client(
     it are dropped, they will run again), or start a session: from `load_checkpoint_path`'s
     weights (and its Adam moments with `load_optimizer`), or a fresh adapter. Returns (training client, first step, checkpoint record)."""
     last = run.last_checkpoint()
+    start = 0
     if last is not None:
         run.truncate_metrics_after(last["step"] - 1)
         client = svc.create_training_client_from_state_with_optimizer(last["state_path"])
-        return client, last["step"], last
-    if load_checkpoint_path and load_optimizer:
-        return svc.create_training_client_from_state_with_optimizer(load_checkpoint_path), 0, None
-    if load_checkpoint_path:
-        return svc.create_training_client_from_state(load_checkpoint_path), 0, None
-    client = svc.create_lora_training_client(model, rank=lora_rank, alpha=lora_alpha, seed=seed)
-    return client, 0, None
+        start = last["step"]
+    elif load_checkpoint_path and load_optimizer:
+        client = svc.create_training_client_from_state_with_optimizer(load_checkpoint_path)
+    elif load_checkpoint_path:
+        client = svc.create_training_client_from_state(load_checkpoint_path)
+    else:
+        client = svc.create_lora_training_client(model, rank=lora_rank, alpha=lora_alpha, seed=seed)
+    run.attach(client)
+    return client, start, last
 
 
 def _start_mlflow(uri: str, run_name: str, config: dict[str, Any]):

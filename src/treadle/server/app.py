@@ -21,6 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.errors import TreadleError
 from treadle.server.api import errors as api_errors
+from treadle.server.api.console import data as console_data
+from treadle.server.api.console import pages as console_pages
+from treadle.server.api.console.gate import ConsoleGate
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
 from treadle.server.api.tinker import (
@@ -37,9 +40,11 @@ from treadle.server.api.tinker.bodies import BodyLimit, limit_by_route
 from treadle.server.config import ServerConfig
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.console import ConsoleViews
 from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
+from treadle.server.core.metrics import Metrics
 from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
@@ -60,6 +65,7 @@ from treadle.server.storage.database import Store
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
+from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
 
 log = logging.getLogger("treadle.server")
 
@@ -91,6 +97,12 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             if config.engine_processes
             else _ThreadEngines(config, state, recovery, make_engine)
         )
+        # what tenants and keys spent this day and month, before any engine runs
+        await asyncio.to_thread(state.admission.spend.load)
+        app.state.console = ConsoleViews(
+            config, store, state.engines, state.futures.metrics, state.admission.spend
+        )
+        state.futures.metrics.start()
         try:
             await engines.start()
             for name, path in config.models.items():
@@ -106,6 +118,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
                 reaper.cancel()
         finally:
             await engines.stop()  # first: their last outcomes go to the journal
+            await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
             store.close()
@@ -115,6 +128,10 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     for module in (futures, training, sampling, session, weights, runs, treadle, checkpoints):
         app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
+    # the web console (/console) and its JSON (/api/v1/treadle/console), the loop's metrics
+    for router in (console_data.metrics_router, console_data.router, console_pages.router):
+        app.include_router(router)
+    app.state.console_templates = console_pages.make_templates()
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.
     app.add_exception_handler(TreadleError, api_errors.handle_error)
@@ -122,7 +139,9 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_exception_handler(RequestValidationError, api_errors.handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, api_errors.handle_http_error)
     app.add_middleware(BodyLimit, limit_of=limit_by_route(config.limits))
-    app.add_middleware(TenantMiddleware)  # added last: runs first, before any body is read
+    app.add_middleware(TenantMiddleware)  # runs before any body is read
+    app.add_middleware(KeyIdMiddleware)  # the key's id, for per-key spend caps
+    app.add_middleware(ConsoleGate)  # outermost: the console's login cookie and static files
     return app
 
 
@@ -131,9 +150,18 @@ def _build_state(
 ) -> ServerState:
     quotas = QuotaBook(config.quotas, config.tenant_quotas)
     keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
-    admission = Admission(config.limits, quotas, config.rate_window_s)
+    spend = SpendBook(store.engine, config.prices)
+    admission = Admission(config.limits, quotas, config.rate_window_s, spend=spend)
     engines = Engines()
-    futures_ = Futures(journal, FutureBoard(loop), admission, config.long_poll_s, config.durable)
+    metrics = Metrics(journal, spend)
+    futures_ = Futures(
+        journal,
+        FutureBoard(loop),
+        admission,
+        config.long_poll_s,
+        durable=config.durable,
+        metrics=metrics,
+    )
     sessions_ = Sessions(store, journal, admission)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)

@@ -8,7 +8,8 @@ One database write per request, one per result, both through the journal:
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
   the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
-  only once it is on disk;
+  only once it is on disk; the console's figures and timeline are recorded after that
+  (treadle.server.core.metrics, which writes them a moment later);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class).
 
@@ -39,6 +40,7 @@ from treadle.errors import (
 )
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.limits import Admission
+from treadle.server.core.metrics import Metrics
 from treadle.server.core.results import encode, error_json, error_of
 from treadle.server.core.sequences import insert_records
 from treadle.server.runtime.engine_client import EngineClient
@@ -79,12 +81,14 @@ class Futures:
         admission: Admission,
         long_poll_s: float,
         durable: bool = True,
+        metrics: Metrics | None = None,
     ):
         self.journal = journal
         self.durable = durable  # write each op's payload to the op log
         self.board = board
         self.admission = admission
         self.long_poll_s = long_poll_s
+        self.metrics = metrics
         # dedup key → request_id, or the commit still in flight for it
         self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
         self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
@@ -140,6 +144,8 @@ class Futures:
             "payload": op.encoded if self.durable else None,
         }
         self.expect(op.request_id, kind, tenant.tenant_id)
+        if self.metrics is not None:
+            self.metrics.filed(op, values)
         committed = self.journal.run(
             functools.partial(insert_request, values=values), then=lambda _: engine.submit(op)
         )
@@ -212,14 +218,16 @@ class Futures:
                 insert_records(conn, records)
 
         def done(_: Any, error: BaseException | None) -> None:
-            if error is None:
-                self.board.resolve(outcomes)
-                return
-            log.error("could not record %d results", len(outcomes), exc_info=error)
-            failed = TreadleError(
-                f"the server could not record this result: {type(error).__name__}: {error}"
-            )
-            self.board.resolve([Outcome.failed(o.request_id, failed) for o in outcomes])
+            resolved = outcomes
+            if error is not None:
+                log.error("could not record %d results", len(outcomes), exc_info=error)
+                failed = TreadleError(
+                    f"the server could not record this result: {type(error).__name__}: {error}"
+                )
+                resolved = [Outcome.failed(o.request_id, failed) for o in outcomes]
+            self.board.resolve(resolved)
+            if self.metrics is not None:  # the console's figures: after, never before, a result
+                self.metrics.finished(resolved)
 
         self.journal.submit(write, done)
 
@@ -273,6 +281,8 @@ class Futures:
                 self._remember(key, rid)
             return
         self.board.forget(rid)
+        if self.metrics is not None:
+            self.metrics.forget(rid)
         if key is not None and self.filed.get(key) is committed:
             del self.filed[key]
 

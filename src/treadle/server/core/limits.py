@@ -1,13 +1,13 @@
-"""What a tenant may ask: input limits of one request (config `limits`, 400 beyond) and the
-tenant's quotas (429 beyond), checked where every route's operations pass (Futures.file and
-the components that make sessions and adapters), so that the Tinker routes and the
-OpenAI-compatible ones are held to the same limits."""
+"""What a tenant may ask: input limits of one request (config `limits`, 400 beyond), the
+tenant's quotas and spend caps (429 beyond), checked where every route's operations pass
+(Futures.file and the components that make sessions and adapters), so that the Tinker routes
+and the OpenAI-compatible ones are held to the same limits."""
 
 from __future__ import annotations
 
 from treadle.errors import InvalidRequestError
 from treadle.server.config import InputLimits
-from treadle.server.runtime.ops import OpKind, Payload, Sample, TrainData
+from treadle.server.runtime.ops import METERED_KINDS, OpKind, Payload, Sample, TrainData
 from treadle.server.tenancy.auth import Tenant
 from treadle.server.tenancy.quotas import (
     QuotaBook,
@@ -17,6 +17,7 @@ from treadle.server.tenancy.quotas import (
     check_slot,
     over,
 )
+from treadle.server.tenancy.spend import SpendBook, current_key_id
 
 
 def request_tokens(
@@ -77,17 +78,25 @@ def default_max_tokens(
 class Admission:
     """Input limits and quotas, per tenant: one place that says yes or no."""
 
-    def __init__(self, limits: InputLimits, quotas: QuotaBook, rate_window_s: float = 60.0):
+    def __init__(
+        self,
+        limits: InputLimits,
+        quotas: QuotaBook,
+        rate_window_s: float = 60.0,
+        spend: SpendBook | None = None,
+    ):
         self.limits = limits
         self.quotas = quotas
         self.rate = RateLimiter(rate_window_s)
+        self.spend = spend
 
     def quotas_of(self, tenant: Tenant) -> Quotas:
         return self.quotas.of(tenant.tenant_id, tenant.name)
 
     def check_op(self, tenant: Tenant, base_model: str, kind: OpKind, payload: Payload) -> None:
         """An operation's input limits (InvalidRequestError), its tokens against the
-        max_tokens_per_request quota and the tenant's requests_per_minute (QuotaExceededError)."""
+        max_tokens_per_request quota, the spend caps of the tenant and of the request's key
+        (metered operations only) and the tenant's requests_per_minute (QuotaExceededError)."""
         quotas = self.quotas_of(tenant)
         counted = request_tokens(self.limits, base_model, payload)
         quota = quotas.max_tokens_per_request
@@ -95,6 +104,8 @@ class Admission:
             tokens, what = counted
             asked = f"this request has {tokens} {what}"
             raise over("max_tokens_per_request", quota, asked, "send smaller requests", None)
+        if self.spend is not None and kind in METERED_KINDS:
+            self.spend.check(tenant, current_key_id())
         self.rate.take(tenant.tenant_id, quotas.requests_per_minute)
 
     def check_sessions(self, tenant: Tenant, active: int) -> None:

@@ -146,6 +146,10 @@ class EngineLoop(EngineClient):
     def is_live(self, ref: str) -> bool:
         return self.executor.is_live(ref)
 
+    def status(self) -> str:
+        """serving | dead | stopped (the console's overview)."""
+        return "dead" if self._dead else "serving" if self._thread.is_alive() else "stopped"
+
     async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
         await self._control("load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory)
 
@@ -325,6 +329,7 @@ class EngineLoop(EngineClient):
         return any(q.next_seq in q.pending for q in self.queues.values())
 
     def _execute(self, step: Step) -> None:
+        started = time.time()  # the console's request timeline (Outcome.timed)
         try:
             if step.kind == "train":
                 outcomes = self.executor.run_train(step.ops, step.forward_only)
@@ -340,7 +345,7 @@ class EngineLoop(EngineClient):
             if isinstance(outcome, Deferred):
                 self.deferred.append(outcome)
             else:
-                ready.append(outcome)
+                ready.append(outcome.timed(started))
         with self._cond:
             for op in step.ops:
                 if op.kind != OpKind.SAMPLE and op.model_id in self.queues:
@@ -386,14 +391,16 @@ class EngineLoop(EngineClient):
                 break
 
     def _run_deferred(self, job: Deferred) -> Outcome | None:
+        started = time.time()
         try:
-            return job.run()
+            outcome = job.run()
+            return outcome.timed(started) if outcome is not None else None
         except Exception as e:
             if job.op is None:
                 log.exception("background write for %s failed", job.model_id)
                 return None
             log.exception("deferred write for %s failed", job.op.request_id)
-            return Outcome.failed(job.op.request_id, e)
+            return Outcome.failed(job.op.request_id, e).timed(started)
 
     def _finish(self, outcomes: list[Outcome | None]) -> None:
         if self._replay:

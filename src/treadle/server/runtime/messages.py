@@ -123,6 +123,8 @@ class _OutcomeMsg:
     error: ErrorInfo | None
     usage: Usage
     records: list[SequenceRecord]
+    started_at: float | None  # wall-clock seconds: comparable across processes
+    finished_at: float | None
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -196,7 +198,11 @@ def encode_outcomes(outcomes: list[Outcome], next_seqs: dict[str, int] | None = 
     for o in outcomes:
         kind = type(o.result).__name__ if o.result is not None else None
         raw = msgspec.Raw(encode(o.result))
-        msgs.append(_OutcomeMsg(o.request_id, kind, raw, o.error, o.usage, o.records))
+        msgs.append(
+            _OutcomeMsg(
+                o.request_id, kind, raw, o.error, o.usage, o.records, o.started_at, o.finished_at
+            )
+        )
     return encode(_OutcomesMsg(msgs, next_seqs or {}))
 
 
@@ -208,6 +214,14 @@ def decode_outcomes(data: bytes | memoryview) -> tuple[list[Outcome], dict[str, 
         if m.result_type is not None:
             result = decode(m.result, _RESULT_TYPES[m.result_type])
         out.append(
-            Outcome(m.request_id, result=result, error=m.error, usage=m.usage, records=m.records)
+            Outcome(
+                m.request_id,
+                result=result,
+                error=m.error,
+                usage=m.usage,
+                records=m.records,
+                started_at=m.started_at,
+                finished_at=m.finished_at,
+            )
         )
     return out, msg.next_seqs

@@ -310,6 +310,9 @@ class Outcome:
     `body` / `content_type` hold the wire form once made (treadle.server.core.results), so a
     result is encoded once, off the event loop, for both the database and the poll.
     `records`: sampled sequences committed with the result (record_stability_info).
+    `started_at` / `finished_at` are wall-clock seconds (time.time(), comparable across
+    processes) of the engine call that produced it, stamped by the engine loop; None for an
+    op that never reached the engine (refused, or its model gone).
     """
 
     request_id: str
@@ -319,6 +322,8 @@ class Outcome:
     body: bytes | None = None
     content_type: str | None = None
     records: list[SequenceRecord] = field(default_factory=list)
+    started_at: float | None = None
+    finished_at: float | None = None
 
     @classmethod
     def ok(cls, request_id: str, result: Result, usage: Usage | None = None) -> Outcome:
@@ -332,3 +337,11 @@ class Outcome:
     @property
     def succeeded(self) -> bool:
         return self.error is None
+
+    def timed(self, started_at: float) -> Outcome:
+        """This outcome, stamped as produced by an engine call that began at started_at
+        and ends now."""
+        if self.started_at is None:
+            self.started_at = started_at
+        self.finished_at = time.time()
+        return self

@@ -229,6 +229,79 @@ class SampledSequenceRow(Base):
     """Trainable until then; each training request that uses the sequence renews it."""
 
 
+class OpRecordRow(Base):
+    """One finished operation as the console's request timeline sees it (written with its
+    result by treadle.server.core.metrics): when it was filed, when its engine call began
+    and ended, what it metered, and the key that asked (per-key spend caps)."""
+
+    __tablename__ = "op_records"
+    __table_args__ = (Index("ix_op_records_tenant_finished", "tenant_id", "finished_at"),)
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    base_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # done | failed
+    error: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    # wall-clock seconds (time.time()): filed, engine call began, result ready
+    queued_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float] = mapped_column(Float, index=True)
+    batch_ops: Mapped[int] = mapped_column(Integer, default=1)  # ops in the same engine call
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    train_tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class StepFigureRow(Base):
+    """One figure of one training step of a model: the server's own (source "server": loss
+    and tokens of its forward_backward calls, grad norm and learning rate of its optim_step)
+    or one the user's loop reported (source "user", TrainingClient.log_metrics). One row per
+    (model, step, name, source): a later report of the same step replaces the value."""
+
+    __tablename__ = "step_figures"
+    __table_args__ = (
+        UniqueConstraint("model_id", "step", "name", "source"),
+        Index("ix_step_figures_session_step", "session_id", "step"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    model_id: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(128))
+    value: Mapped[float] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(8))  # server | user
+    at: Mapped[float] = mapped_column(Float)  # wall-clock seconds
+
+
+class SpendCapRow(Base):
+    """A spend cap: tokens and/or dollars per UTC day or calendar month, for a whole tenant
+    (scope "tenant") or one of its keys (scope "key:<key_id>"); treadle.server.tenancy.spend."""
+
+    __tablename__ = "spend_caps"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "period"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    scope: Mapped[str] = mapped_column(String(64))  # tenant | key:<key_id>
+    period: Mapped[str] = mapped_column(String(8))  # day | month
+    max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AdminKeyRow(Base):
+    """An API key that may see every tenant in the console (`treadle admin create-key
+    --admin`); the key's own row (ApiKeyRow) still decides whether it is valid."""
+
+    __tablename__ = "admin_keys"
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 # Tables whose rows belong to a tenant (a tenant_id column); databases written before
 # tenants existed get the column on open, their rows going to the development tenant.
 TENANT_TABLES = (

@@ -12,7 +12,7 @@ from sqlalchemy import or_, select, update
 
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
 from treadle.server.storage.database import Store
-from treadle.server.storage.rows import ApiKeyRow, TenantRow, new_id, utcnow
+from treadle.server.storage.rows import AdminKeyRow, ApiKeyRow, TenantRow, new_id, utcnow
 from treadle.server.tenancy.auth import hash_key, key_id, new_key
 from treadle.server.tenancy.quotas import QUOTA_FIELDS, Quotas
 
@@ -46,15 +46,28 @@ def create_tenant(store: Store, name: str, quotas: dict[str, Any] | None = None)
     return row
 
 
-def create_key(store: Store, tenant: str) -> tuple[str, ApiKeyRow]:
-    """→ (the key, its row). The key is returned once: only its sha256 is stored."""
+def create_key(store: Store, tenant: str, admin: bool = False) -> tuple[str, ApiKeyRow]:
+    """→ (the key, its row). The key is returned once: only its sha256 is stored.
+
+    An admin key acts for its tenant everywhere, and sees every tenant in the console."""
     owner = find_tenant(store, tenant)
     key = new_key()
     row = ApiKeyRow(
         key_hash=hash_key(key), key_id=key_id(key), tenant_id=owner.tenant_id, created_at=utcnow()
     )
     store.add(row)
+    if admin:
+        store.add(AdminKeyRow(key_hash=row.key_hash, created_at=utcnow()))
     return key, row
+
+
+def is_admin_key(store: Store, key: str | None) -> bool:
+    """Whether a (valid) key was made with `create-key --admin`."""
+    if not key:
+        return False
+    with store.engine.connect() as conn:
+        stmt = select(AdminKeyRow.key_hash).where(AdminKeyRow.key_hash == hash_key(key))
+        return conn.execute(stmt).first() is not None
 
 
 def revoke_key(store: Store, key_or_id: str) -> ApiKeyRow:
@@ -98,6 +111,7 @@ def set_quotas(store: Store, tenant: str, values: dict[str, int | None]) -> Tena
 def list_tenants(store: Store) -> list[dict[str, Any]]:
     """Every tenant with its quotas and its keys (ids only)."""
     keys = store.query(select(ApiKeyRow).order_by(ApiKeyRow.created_at))
+    admins = set(store.query(select(AdminKeyRow.key_hash)))
     out = []
     for t in store.query(select(TenantRow).order_by(TenantRow.created_at)):
         out.append(
@@ -110,6 +124,7 @@ def list_tenants(store: Store) -> list[dict[str, Any]]:
                         "key_id": k.key_id,
                         "created_at": k.created_at.isoformat(timespec="seconds"),
                         "revoked": k.revoked_at is not None,
+                        **({"admin": True} if k.key_hash in admins else {}),
                     }
                     for k in keys
                     if k.tenant_id == t.tenant_id

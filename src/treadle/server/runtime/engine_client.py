@@ -117,6 +117,10 @@ class EngineClient(ABC):
     async def snapshot_all(self) -> None:
         """Write every changed model's state now (a clean shutdown)."""
 
+    def status(self) -> str:
+        """serving, or what keeps it from serving (the console's overview)."""
+        return "serving"
+
     def unfinished(self) -> list[Op]:
         """Ops handed to this engine that it will still run after a restart of its own
         (a worker process keeps them on the API side and sends them again)."""

@@ -80,8 +80,8 @@ class Futures:
         board: FutureBoard,
         admission: Admission,
         long_poll_s: float,
-        durable: bool = True,
         metrics: Metrics | None = None,
+        durable: bool = True,
     ):
         self.journal = journal
         self.durable = durable  # write each op's payload to the op log

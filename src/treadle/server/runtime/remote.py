@@ -192,9 +192,8 @@ class RemoteEngine(EngineClient):
     def status(self) -> str:
         with self._lock:
             if self._ready:
-                pid = self.worker.pid if self.worker is not None else "?"
-                return f"serving (worker pid {pid})"
-            return "restoring" if self._identity is not None else "down: waiting for its worker"
+                return "serving"
+            return "restoring" if self._identity is not None else "down"
 
     def unfinished(self) -> list[Op]:
         """Ops handed to this engine whose outcome has not come back (oldest first)."""

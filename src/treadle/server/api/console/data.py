@@ -66,7 +66,7 @@ def get_session(session_id: str, views: ViewsDep, viewer: ViewerDep) -> dict[str
 
 @router.get("/sessions/{session_id}/metrics")
 def get_curves(
-    session_id: str, views: ViewsDep, viewer: ViewerDep, since_step: int = Query(0, ge=0)
+    session_id: str, views: ViewsDep, viewer: ViewerDep, since_step: int = Query(0, ge=0, le=2**62)
 ) -> dict[str, Any]:
     """The session's curves from `since_step` on: the server's per-step figures
     (server/loss, server/grad_norm, ...) and the loop's own (log_metrics)."""

@@ -295,3 +295,47 @@ def test_a_future_never_hangs_on_an_engine_that_does_not_come_back(tiny_model_di
         svc.close()
     finally:
         server.stop()
+
+
+def test_a_session_moves_to_another_replica_when_its_group_is_lost(
+    reference, tiny_model_dir, tmp_path, capsys
+):
+    """Two worker groups of one model: the session's group is killed, and (its restart
+    being slower than failover_after_s) the session moves to the other one, restored from
+    its snapshot and op log; the loop finishes as if nothing happened."""
+    import httpx
+
+    from treadle.cli import main
+
+    config = {**FAST, "replicas": 2, "failover_after_s": 1.0}
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=config).start()
+
+    def placement() -> list[dict]:
+        status = httpx.get(f"{server.url}/api/v1/treadle/status").json()
+        return status["models"][0]["replicas"]
+
+    killed: list[int] = []
+    moved: list[dict] = []
+
+    def on_step(step: int) -> None:
+        if step == STEPS // 2:
+            (home,) = [r for r in placement() if r["sessions"] == 1]
+            killed.append(home["replica"])
+            os.kill(home["worker_pid"], signal.SIGKILL)
+        if step == STEPS - 1:  # before the client closes (and so unloads) its session
+            moved.extend(r for r in placement() if r["sessions"] == 1)
+
+    try:
+        assert len(placement()) == 2
+        main(["status", "--base-url", server.url])  # what an operator sees
+        table = capsys.readouterr().out.splitlines()
+        assert table[0].split()[:3] == ["model", "replica", "status"]
+        assert sum(TINY in line and "serving" in line for line in table) == 2
+        lps, steps, path = sft_loop(server.url, STEPS, on_step)
+    finally:
+        server.stop()
+    assert killed and moved and moved[0]["replica"] != killed[0]
+    assert "moving" in server.log()
+    assert steps_in_state(tmp_path / "data", path) == STEPS
+    for got, want in zip(lps, reference[0], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)

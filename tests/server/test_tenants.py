@@ -402,6 +402,7 @@ NO_RESOURCE = {
     ("POST", "/api/v1/client/dynamic_config"): "client bootstrap",
     ("POST", "/api/v1/telemetry"): "accepted and dropped",
     ("GET", "/api/v1/get_server_capabilities"): "the served base models",
+    ("GET", "/api/v1/treadle/status"): "worker groups' health: counts only, no tenant's ids",
     ("POST", "/api/v1/create_session"): "makes a session of the caller",
     ("POST", "/api/v1/save_weights_external"): "always refused",
     ("GET", "/api/v1/treadle/models/{name}/tokenizer"): "a served base model's tokenizer",

@@ -6,6 +6,7 @@ treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
 treadle hf-cache --model treadle/tiny-llama=.models/tiny-llama
 treadle demo
 treadle plot runs/demo
+treadle status
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
         sys.exit("treadle worker: give exactly one --model NAME=PATH")
     config = ServerConfig(**{**settings, **flag_values(args), "models": models})
     configure_process(config)
-    run_worker(config, args.connect)
+    run_worker(config, args.connect, replica=args.replica)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--connect", required=True, help="the server's worker address, e.g. tcp://10.0.0.5:5555"
     )
+    p.add_argument(
+        "--replica", type=int, default=-1, help="which replica of the model (-1: any free one)"
+    )
     p.add_argument("--config", help="a JSON file of server settings (see ServerConfig)")
     serve_flags(p)  # the engine's settings: --data-dir, --db, --dtype, --device, ...
     p.set_defaults(func=_worker)
@@ -135,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from treadle.cli.checkpoints import add_parser as add_checkpoints_parser
 
     add_checkpoints_parser(sub)  # treadle checkpoints list|show|download|delete|retain
+
+    from treadle.cli.status import add_parser as add_status_parser
+
+    add_status_parser(sub)  # treadle status
     return parser
 
 

@@ -58,6 +58,7 @@ from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
+from treadle.server.runtime.replicas import ReplicatedEngine
 from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor
 from treadle.server.storage import artifacts
@@ -254,32 +255,45 @@ class _ProcessEngines:
         config, state = self.config, self.state
         loop = asyncio.get_running_loop()
         for name in config.models:
-            engine = RemoteEngine(
+
+            def replica(index: int, on_ready: Any, name: str = name) -> RemoteEngine:
+                return RemoteEngine(
+                    name,
+                    self.hub,
+                    state.futures.finish,
+                    self.recovery.snapshot_written,
+                    on_ready,
+                    loop,
+                    config.engine_down_timeout_s,
+                    replica=index,
+                )
+
+            group = ReplicatedEngine(
                 name,
-                self.hub,
-                state.futures.finish,
-                self.recovery.snapshot_written,
+                replica,
                 self.recovery.restore_engine,
                 loop,
-                config.engine_down_timeout_s,
+                replicas=config.replicas,
+                failover_after_s=config.failover_after_s,
             )
-            self.hub.engines[name] = engine
-            state.engines.add(engine)
+            self.hub.engines[name] = group
+            state.engines.add(group)
         self.recovery.load()
         self.hub.start()
         log.info("workers connect to %s", self.hub.address)
         if config.start_workers:
             self.supervisor = Supervisor(config, self.hub.address, self.hub.token, self.hub.worker_exited)
             self.supervisor.start()
-        while not all(e.ready for e in self.hub.engines.values()):  # every model restored
+        groups = list(self.hub.engines.values())
+        while not all(r.ready for g in groups for r in g.replicas):  # every model restored
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         if self.supervisor is not None:  # the workers drain on SIGTERM, then exit
             await asyncio.to_thread(self.supervisor.stop)
         else:
-            for engine in self.hub.engines.values():
-                engine.stop()
+            for group in self.hub.engines.values():
+                group.stop()
         self.hub.stop()
 
 

@@ -113,6 +113,11 @@ class ServerConfig(BaseModel):
     engine_processes: bool = True
     """Run each served model's engine in a worker process of its own, started, watched and
     restarted by the server (false: on a thread of the API process)."""
+    replicas: int = 1
+    """Worker groups per served model: a session is placed on one for its life; a group
+    down longer than failover_after_s has its sessions moved to another."""
+    failover_after_s: float = 10.0
+    """How long a replica may be down before its sessions move to a serving one."""
     start_workers: bool = True
     """Start the workers (false: wait for `treadle worker --connect` processes)."""
     worker_address: str = "tcp://127.0.0.1:0"

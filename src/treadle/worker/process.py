@@ -47,11 +47,20 @@ HELLO_EVERY_S = 1.0
 
 
 class Worker:
-    def __init__(self, config: ServerConfig, name: str, path: str, address: str, token: str):
+    def __init__(
+        self,
+        config: ServerConfig,
+        name: str,
+        path: str,
+        address: str,
+        token: str,
+        replica: int = -1,
+    ):
         from treadle.server.app import default_engine_factory, park_limits
 
         self.config = config
         self.token = token
+        self.replica = replica
         self.worker_id = uuid.uuid4().hex[:12]
         engine = default_engine_factory(name, path, config)
         self.store = Store(config.resolved_db_url)
@@ -176,7 +185,9 @@ class Worker:
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
         device = str(getattr(self.loop.executor.engine, "device", "cpu"))
-        hello = messages.Hello(self.worker_id, self.facts, self.token, pid=os.getpid(), device=device)
+        hello = messages.Hello(
+            self.worker_id, self.facts, self.token, self.replica, pid=os.getpid(), device=device
+        )
         self._send(Kind.HELLO, hello)
 
     # ---- what the engine says (its thread) ----
@@ -194,12 +205,14 @@ class Worker:
         self.channel.send([kind.encode(), messages.encode(obj)])
 
 
-def run_worker(config: ServerConfig, address: str, token: str | None = None) -> None:
+def run_worker(
+    config: ServerConfig, address: str, token: str | None = None, replica: int = -1
+) -> None:
     """`treadle worker`: serve the config's one model until SIGTERM (then drain) or SIGKILL."""
     (name, path), *more = config.models.items()
     if more:
         raise SystemExit("treadle worker: serves exactly one --model NAME=PATH")
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
-    worker = Worker(config, name, path, address, token)
+    worker = Worker(config, name, path, address, token, replica)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
     worker.run()

@@ -54,6 +54,7 @@ _DONE_SKIP = Skip(ErrorInfo("TreadleError", "replayed: finished before the resta
 class Recovery:
     def __init__(self, state: ServerState):
         self.state = state
+        self._samples_restored: set[str] = set()  # served models whose samples came back
 
     # ---- at start-up: what this process must know again ----
     def load(self) -> None:
@@ -91,12 +92,18 @@ class Recovery:
             )
 
     # ---- an engine (re)starts: its models, samplers and unfinished work ----
-    async def restore_engine(self, engine: EngineClient) -> None:
+    async def restore_engine(
+        self, engine: EngineClient, model_ids: list[str] | None = None, skip: set[str] = frozenset()
+    ) -> None:
+        """Restore an engine's models (all of its base model's, or `model_ids`: those placed
+        on one replica). `skip`: request ids someone else sends again."""
         t0 = time.monotonic()
         # everything already handed to the journal is on disk before we read the log
         await self.state.journal.run(lambda conn: None)
-        in_flight = {op.request_id for op in _unfinished(engine)}
+        in_flight = {op.request_id for op in _unfinished(engine)} | set(skip)
         models = self.state.models.rows_of(engine.name)
+        if model_ids is not None:
+            models = [m for m in models if m.model_id in set(model_ids)]
         for row in models:
             try:
                 await self._restore_model(engine, row, in_flight)
@@ -104,12 +111,17 @@ class Recovery:
                 log.exception("could not restore model %s", row.model_id)
                 await self._give_up(engine, row, e)
         await self._restore_samplers(engine)
-        with self.state.store.engine.connect() as conn:
-            samples = queries.pending_samples(conn, engine.name)
+        samples = []
+        if engine.name not in self._samples_restored:  # once per run: later, engines resend
+            self._samples_restored.add(engine.name)
+            with self.state.store.engine.connect() as conn:
+                samples = queries.pending_samples(conn, engine.name)
         for row in samples:
             if row["request_id"] not in in_flight and row["payload"] is not None:
                 payload = decode_payload(OpKind.SAMPLE, row["payload"])
-                engine.submit(Op(row["request_id"], OpKind.SAMPLE, payload))
+                self.state.engines.require(engine.name).submit(
+                    Op(row["request_id"], OpKind.SAMPLE, payload)
+                )
         if models or samples:
             log.info(
                 "engine %s: %d models and %d samples restored in %.2f s",
@@ -141,7 +153,9 @@ class Recovery:
                 payload = decode_payload(kind, r["payload"])
                 engine.submit(Op(r["request_id"], kind, payload, row.model_id, seq, replay=True))
             else:
-                engine.submit(Op(r["request_id"], OpKind.SKIP, _DONE_SKIP, row.model_id, seq, replay=True))
+                engine.submit(
+                    Op(r["request_id"], OpKind.SKIP, _DONE_SKIP, row.model_id, seq, replay=True)
+                )
 
     async def _restore_samplers(self, engine: EngineClient) -> None:
         """Sampling sessions of saved checkpoints: their weights loaded again."""
@@ -158,6 +172,8 @@ class Recovery:
         for row in rows:
             if not state.sessions.is_active(row.session_id) or row.model_path is None:
                 continue
+            if state.engines.require(engine.name).is_live(row.engine_ref):
+                continue  # held by another replica
             ckpt = state.store.get(CheckpointRow, row.model_path)
             if ckpt is None or not Path(ckpt.dir).is_dir():
                 continue  # a version fetched from S3 or decrypted: its folder is gone
@@ -205,4 +221,3 @@ def _replays(kind: OpKind) -> bool:
 
 def _unfinished(engine: EngineClient) -> list[Op]:
     return engine.unfinished()
-

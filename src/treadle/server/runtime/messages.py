@@ -63,6 +63,7 @@ class Hello:
     worker_id: str
     facts: EngineFacts
     token: str  # the hub's shared secret: only workers the operator started get in
+    replica: int = -1  # which replica of its model (-1: any free one, or a new one)
     protocol: int = PROTOCOL
     pid: int = 0
     device: str = "cpu"

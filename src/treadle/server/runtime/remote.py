@@ -81,8 +81,10 @@ class RemoteEngine(EngineClient):
         on_ready: Callable[[RemoteEngine], Awaitable[None]],
         loop: asyncio.AbstractEventLoop,
         give_up_after_s: float = 120.0,
+        replica: int = 0,
     ):
         self.facts = EngineFacts(name, vocab_size=0, max_seq_len=0, max_lora_rank=0)
+        self.replica = replica
         self.hub = hub
         self._on_outcomes = on_outcomes
         self._on_snapshot = on_snapshot
@@ -200,12 +202,31 @@ class RemoteEngine(EngineClient):
         with self._lock:
             return list(self._sent.values())
 
+    @property
+    def has_worker(self) -> bool:
+        return self._identity is not None
+
+    def down_for(self) -> float | None:
+        """Seconds since the worker went away (None: it is here)."""
+        with self._lock:
+            return None if self._down_since is None else time.monotonic() - self._down_since
+
+    def take_model(self, model_id: str) -> list[Op]:
+        """Forget a model moving to another replica; → its ops not finished here."""
+        with self._lock:
+            self._seqs.pop(model_id, None)
+            ops = [op for op in self._sent.values() if op.model_id == model_id]
+            for op in ops:
+                del self._sent[op.request_id]
+            self._outbox = [op for op in self._outbox if op.model_id != model_id]
+        return [op for op in ops if not op.replay]
+
     def models(self) -> list[str]:
         with self._lock:
             return list(self._seqs)
 
     # ---- the worker's side of things (the hub's IO thread) ----
-    def connected(self, identity: bytes, hello: messages.Hello) -> None:
+    def attach(self, identity: bytes, hello: messages.Hello) -> None:
         """A worker of this model said HELLO: restore (on the event loop), then resend."""
         with self._lock:
             self._identity = identity
@@ -352,7 +373,7 @@ class WorkerHub:
         self.token = token
         self.dead_after_s = dead_after_s
         self.epoch = uuid.uuid4().hex
-        self.engines: dict[str, RemoteEngine] = {}
+        self.engines: dict[str, Any] = {}  # model → its ReplicatedEngine (slot_for, tick)
         self._by_identity: dict[bytes, RemoteEngine] = {}
         self._seen: dict[bytes, float] = {}
         self._last_beat = 0.0
@@ -368,15 +389,17 @@ class WorkerHub:
     def send(self, identity: bytes, kind: Kind, body: bytes) -> None:
         self.channel.send([identity, kind.encode(), body])
 
-    def worker_exited(self, model: str, reason: str) -> None:
+    def worker_exited(self, model: str, replica: int, reason: str) -> None:
         """The supervisor saw the process end: no need to wait for the heartbeat to lapse."""
-        engine = self.engines.get(model)
-        if engine is not None:
-            for identity, owner in list(self._by_identity.items()):
-                if owner is engine:
-                    self._by_identity.pop(identity, None)
-                    self._seen.pop(identity, None)
-            engine.lost(reason)
+        group = self.engines.get(model)
+        if group is None or replica >= len(group.replicas):
+            return
+        engine = group.replicas[replica]
+        for identity, owner in list(self._by_identity.items()):
+            if owner is engine:
+                self._by_identity.pop(identity, None)
+                self._seen.pop(identity, None)
+        engine.lost(reason)
 
     def _on_message(self, frames: list[bytes]) -> None:
         identity, kind, body = frames[0], Kind(frames[1].decode()), frames[2]
@@ -391,24 +414,25 @@ class WorkerHub:
             engine.handle(kind, body)
 
     def _hello(self, identity: bytes, hello: messages.Hello) -> None:
-        engine = self.engines.get(hello.facts.name)
-        if engine is None or not hmac.compare_digest(hello.token.encode(), self.token.encode()):
+        group = self.engines.get(hello.facts.name)
+        if group is None or not hmac.compare_digest(hello.token.encode(), self.token.encode()):
             log.warning("refused a worker for %r (unknown model or wrong token)", hello.facts.name)
             return
         if hello.protocol != messages.PROTOCOL:
             log.warning("refused a worker speaking protocol %s", hello.protocol)
             return
         welcome = messages.encode(messages.Welcome(self.epoch))
-        if self._by_identity.get(identity) is engine:  # a repeated HELLO: already taken
+        if identity in self._by_identity:  # a repeated HELLO: already taken
             self.send(identity, Kind.WELCOME, welcome)
             return
+        engine = group.slot_for(hello.replica)
         for old, owner in list(self._by_identity.items()):
             if owner is engine and old != identity:
                 self._by_identity.pop(old, None)
                 engine.lost("replaced by a new worker")
         self._by_identity[identity] = engine
         self.send(identity, Kind.WELCOME, welcome)
-        engine.connected(identity, hello)
+        engine.attach(identity, hello)
 
     def _on_tick(self) -> None:
         now = time.monotonic()
@@ -421,6 +445,8 @@ class WorkerHub:
                 engine = self._by_identity.pop(identity)
                 self._seen.pop(identity, None)
                 engine.lost(f"no heartbeat for {self.dead_after_s:.1f} s")
-        for engine in self.engines.values():
-            engine.tick()
+        for group in self.engines.values():
+            for engine in group.replicas:
+                engine.tick()
+            group.tick()
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from treadle.server.config import ServerConfig
@@ -41,7 +42,7 @@ class Supervisor:
         config: ServerConfig,
         address: str,
         token: str,
-        on_exit: callable,  # (model name, reason) → None
+        on_exit: Callable[[str, int, str], None],  # (model name, replica, reason)
     ):
         self.config = config
         self.address = address
@@ -54,11 +55,15 @@ class Supervisor:
 
     def start(self) -> None:
         for name, path in self.config.models.items():
-            thread = threading.Thread(
-                target=self._watch, args=(name, path), name=f"supervise-{name}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+            for replica in range(self.config.replicas):
+                thread = threading.Thread(
+                    target=self._watch,
+                    args=(name, path, replica),
+                    name=f"supervise-{name}-{replica}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+                thread.start()
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Let the workers finish (they drain on SIGTERM), then make sure they are gone."""
@@ -74,23 +79,24 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def _watch(self, name: str, path: str) -> None:
+    def _watch(self, name: str, path: str, replica: int) -> None:
         backoff = 0.5
+        key = f"{name}#{replica}"
         while not self._stopping.is_set():
             started = time.monotonic()
-            proc = self._spawn(name, path)
-            self.procs[name] = proc
+            proc = self._spawn(name, path, replica)
+            self.procs[key] = proc
             code = proc.wait()
             if self._stopping.is_set():
                 return
             reason = f"worker process {proc.pid} exited with code {code}"
-            log.error("%s: %s; starting a new one", name, reason)
-            self.on_exit(name, reason)
-            self.restarts[name] = self.restarts.get(name, 0) + 1
+            log.error("%s (replica %d): %s; starting a new one", name, replica, reason)
+            self.on_exit(name, replica, reason)
+            self.restarts[key] = self.restarts.get(key, 0) + 1
             backoff = 0.5 if time.monotonic() - started > 60 else min(backoff * 2, MAX_BACKOFF_S)
             self._stopping.wait(backoff)
 
-    def _spawn(self, name: str, path: str) -> subprocess.Popen:
+    def _spawn(self, name: str, path: str, replica: int) -> subprocess.Popen:
         data = Path(self.config.data_dir)
         data.mkdir(parents=True, exist_ok=True)
         settings = self.config.model_dump(mode="json")
@@ -106,6 +112,8 @@ class Supervisor:
             str(config_file),
             "--connect",
             self.address,
+            "--replica",
+            str(replica),
         ]
         env = {**os.environ, TOKEN_ENV: self.token}
         log.info("starting the worker of %s", name)

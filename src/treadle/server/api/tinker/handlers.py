@@ -53,6 +53,28 @@ def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     return {"request_id": request_id, "model_id": model_id}
 
 
+async def _file(
+    state: ServerState,
+    engine: Any,
+    kind: OpKind,
+    payload: Any,
+    tenant: Tenant,
+    row: ModelRow,
+    seq_id: int,
+) -> dict[str, Any]:
+    """File one of a training model's ops; → its submit reply."""
+    rid = await state.futures.file(
+        engine,
+        kind,
+        payload,
+        tenant=tenant,
+        session_id=row.session_id,
+        model_id=row.model_id,
+        seq_id=seq_id,
+    )
+    return _future(rid, row.model_id)
+
+
 def _check_optimizer(cfg: Any, field: str) -> None:
     if cfg is not None and cfg.type != "adamw":
         raise InvalidRequestError(f"{field}.type: only 'adamw' is supported, got {cfg.type!r}")
@@ -75,16 +97,7 @@ async def create_model(state: ServerState, tenant: Tenant, body: CreateModelRequ
         state.held_adapters(tenant),
     )
     await state.models.bind(row, body.model_package_group, body.output_path)
-    rid = await state.futures.file(
-        engine,
-        OpKind.CREATE,
-        CreateAdapter(spec),
-        tenant=tenant,
-        session_id=body.session_id,
-        model_id=row.model_id,
-        seq_id=0,
-    )
-    return _future(rid, row.model_id)
+    return await _file(state, engine, OpKind.CREATE, CreateAdapter(spec), tenant, row, 0)
 
 
 async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> dict:
@@ -98,16 +111,15 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
         payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
         if sequences.needs_provenance(payload.loss_fn):
             await sequences.attach(state.journal, payload, spans, tenant.tenant_id, row.session_id)
-    rid = await state.futures.file(
+    return await _file(
+        state,
         engine,
         OpKind.FORWARD if msg.forward_only else OpKind.FORWARD_BACKWARD,
         payload,
-        tenant=tenant,
-        session_id=row.session_id,
-        model_id=row.model_id,
-        seq_id=seq_id,
+        tenant,
+        row,
+        seq_id,
     )
-    return _future(rid, row.model_id)
 
 
 def _train_data(msg: Any, state: ServerState, facts: Any) -> tuple[Any, list]:
@@ -133,16 +145,7 @@ async def optim_step(state: ServerState, tenant: Tenant, body: OptimStepRequest)
     engine = state.engines.require(row.base_model)
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, body.seq_id):
         spec = validation.adam_spec(body)
-    rid = await state.futures.file(
-        engine,
-        OpKind.OPTIM_STEP,
-        OptimStep(spec),
-        tenant=tenant,
-        session_id=row.session_id,
-        model_id=row.model_id,
-        seq_id=body.seq_id,
-    )
-    return _future(rid, row.model_id)
+    return await _file(state, engine, OpKind.OPTIM_STEP, OptimStep(spec), tenant, row, body.seq_id)
 
 
 def _package(
@@ -180,16 +183,7 @@ async def save_weights(
         payload = SaveState(
             _ckpt(row, name, body.user_metadata), body.overwrite, _package(state, row, key)
         )
-    rid = await state.futures.file(
-        engine,
-        OpKind.SAVE_STATE,
-        payload,
-        tenant=tenant,
-        session_id=row.session_id,
-        model_id=row.model_id,
-        seq_id=body.seq_id,
-    )
-    return _future(rid, row.model_id)
+    return await _file(state, engine, OpKind.SAVE_STATE, payload, tenant, row, body.seq_id)
 
 
 async def save_weights_for_sampler(
@@ -240,16 +234,7 @@ async def save_weights_for_sampler(
             tenant_id=row.tenant_id,
             package=package,
         )
-    rid = await state.futures.file(
-        engine,
-        kind,
-        payload,
-        tenant=tenant,
-        session_id=row.session_id,
-        model_id=row.model_id,
-        seq_id=body.seq_id,
-    )
-    return _future(rid, row.model_id)
+    return await _file(state, engine, kind, payload, tenant, row, body.seq_id)
 
 
 async def load_weights(
@@ -307,16 +292,7 @@ async def load_weights(
         raise InvalidRequestError(
             "load_weights: send model_id + seq_id or session_id + model_seq_id"
         )
-    rid = await state.futures.file(
-        engine,
-        OpKind.LOAD,
-        payload,
-        tenant=tenant,
-        session_id=row.session_id,
-        model_id=row.model_id,
-        seq_id=seq_id,
-    )
-    return _future(rid, row.model_id)
+    return await _file(state, engine, OpKind.LOAD, payload, tenant, row, seq_id)
 
 
 def _sample_cells(body: SampleRequest) -> int:

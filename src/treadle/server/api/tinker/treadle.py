@@ -61,3 +61,35 @@ def get_usage(
     return metering.usage_report(
         state.store.engine, state.config.prices, tenant_id=tenant.tenant_id, since=when, by=by
     )
+
+
+@router.get("/status")
+def get_status(state: StateDep) -> dict[str, Any]:
+    """Each served model's worker groups (replicas): health, worker process, device, how
+    many sessions are placed there, queue depth, memory. Counts only: no tenant's ids."""
+    models = []
+    for engine in state.engines.all():
+        placement = getattr(engine, "placement", None)
+        if placement is None:  # an engine on a thread of this process
+            replicas = [{"replica": 0, "status": engine.status(), "worker_pid": None}]
+        else:
+            replicas = placement()["replicas"]
+        for r in replicas:
+            r["sessions"] = len(r.pop("models", []))
+            r["memory_mb"] = _rss_mb(r.get("worker_pid"))
+        models.append({"model": engine.name, "replicas": replicas})
+    return {"models": models}
+
+
+def _rss_mb(pid: int | None) -> float | None:
+    """A worker's resident memory, when it runs on this machine."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None

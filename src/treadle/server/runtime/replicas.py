@@ -1,0 +1,246 @@
+"""Replicas: several worker groups serving one model, seen by the rest of the server as one
+EngineClient.
+
+A training model is placed on one replica for its life (the one holding the fewest models
+when it was made); its ops, samplers and control calls go there. Samples of the base model
+go to the least busy serving replica; samples of a sampler go to a replica that holds its
+weights. If a replica stays down longer than `failover_after_s` while another serves, its
+models move: each is restored on the other replica from its last snapshot and the op log
+(treadle.server.core.recovery), and the ops it had not finished are sent there, in order.
+A replica that comes back later only gets the models placed on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from treadle.server.runtime.engine_client import EngineClient, EngineFacts
+from treadle.server.runtime.ops import Op, OpKind
+from treadle.server.runtime.remote import RemoteEngine
+
+log = logging.getLogger("treadle.replicas")
+
+# (replica, model ids to restore on it, request ids sent again by the caller) → restores
+# them (treadle.server.core.recovery.Recovery.restore_engine)
+Restore = Callable[[EngineClient, list[str] | None, set[str]], Awaitable[None]]
+
+
+class ReplicatedEngine(EngineClient):
+    def __init__(
+        self,
+        name: str,
+        make_replica: Callable[[int, Callable[[RemoteEngine], Awaitable[None]]], RemoteEngine],
+        restore: Restore,
+        loop: asyncio.AbstractEventLoop,
+        replicas: int = 1,
+        failover_after_s: float = 10.0,
+    ):
+        self._name = name
+        self._make_replica = make_replica
+        self._restore = restore
+        self._loop = loop
+        self.failover_after_s = failover_after_s
+        self._lock = threading.RLock()
+        self.replicas = [make_replica(i, self.restore_replica) for i in range(replicas)]
+        self._placed: dict[str, RemoteEngine] = {}  # training model → its replica
+        self._moving: dict[str, list[Op]] = {}  # model being restored elsewhere → held ops
+
+    # ---- facts ----
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def facts(self) -> EngineFacts:
+        for r in self.replicas:
+            if r.ready:
+                return r.facts
+        return self.replicas[0].facts
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self.replicas)
+
+    def status(self) -> str:
+        serving = sum(r.ready for r in self.replicas)
+        if len(self.replicas) == 1:
+            return self.replicas[0].status()
+        return f"serving ({serving} of {len(self.replicas)} replicas)" if serving else "down"
+
+    def placement(self) -> dict[str, Any]:
+        """Each replica's worker, health and load (`treadle status`, the console)."""
+        with self._lock:
+            placed = dict(self._placed)
+        out = []
+        for i, r in enumerate(self.replicas):
+            hello = r.worker
+            out.append(
+                {
+                    "replica": i,
+                    "status": r.status(),
+                    "worker_pid": hello.pid if hello else None,
+                    "device": hello.device if hello else None,
+                    "models": sorted(m for m, owner in placed.items() if owner is r),
+                    "queue_depth": len(r.unfinished()),
+                }
+            )
+        return {"model": self._name, "replicas": out}
+
+    # ---- the hub's side ----
+    def slot_for(self, replica: int) -> RemoteEngine:
+        """The replica a HELLO takes: the one it names, else the first without a worker
+        (a worker beyond the configured count adds a replica)."""
+        with self._lock:
+            if 0 <= replica < len(self.replicas):
+                return self.replicas[replica]
+            for r in self.replicas:
+                if not r.has_worker:
+                    return r
+            self.replicas.append(self._make_replica(len(self.replicas), self.restore_replica))
+            return self.replicas[-1]
+
+    async def restore_replica(self, replica: RemoteEngine) -> None:
+        """A replica's worker said HELLO: restore the models placed on it."""
+        with self._lock:
+            mine = [m for m, owner in self._placed.items() if owner is replica]
+        await self._restore(replica, mine, set())
+
+    def tick(self) -> None:
+        """Hub thread: move the models of a replica down too long to one that serves."""
+        for replica in self.replicas:
+            down = replica.down_for()
+            if down is None or down < self.failover_after_s:
+                continue
+            target = self._least_loaded(exclude=replica)
+            if target is None:
+                continue
+            with self._lock:
+                moving = [m for m, owner in self._placed.items() if owner is replica]
+            for model_id in moving:
+                self._move(model_id, replica, target)
+
+    # ---- EngineClient ----
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for r in self.replicas:
+            r.stop(timeout_s)
+
+    def add_model(self, model_id: str, next_seq: int = 0) -> None:
+        self._replica_of(model_id).add_model(model_id, next_seq)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._lock:
+            if model_id in self._moving:
+                return True
+        return self._replica_of(model_id).has_model(model_id)
+
+    def check_seq(self, model_id: str, seq_id: int) -> None:
+        self._replica_of(model_id).check_seq(model_id, seq_id)
+
+    def submit(self, op: Op) -> None:
+        if op.kind == OpKind.SAMPLE:
+            self._sampler_replica(op.payload.request.adapter).submit(op)
+            return
+        with self._lock:
+            held = self._moving.get(op.model_id)
+            if held is not None and not op.replay:
+                held.append(op)
+                return
+        self._replica_of(op.model_id).submit(op)
+
+    def is_live(self, ref: str) -> bool:
+        return any(r.is_live(ref) for r in self.replicas)
+
+    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
+        target = self._least_loaded() or self.replicas[0]
+        await target.load_sampler(ref, checkpoint_type, directory)
+
+    async def drop_ref(self, ref: str) -> None:
+        for r in self.replicas:
+            if r.is_live(ref):
+                await r.drop_ref(ref)
+
+    async def check_adapter(self, directory: str) -> None:
+        await (self._least_loaded() or self.replicas[0]).check_adapter(directory)
+
+    async def unload_model(self, model_id: str, reason: str) -> None:
+        replica = self._replica_of(model_id)
+        with self._lock:
+            self._placed.pop(model_id, None)
+        await replica.unload_model(model_id, reason)
+
+    async def restore_model(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        await self._replica_of(model_id).restore_model(model_id, state_dir, samplers, next_seq)
+
+    async def snapshot_all(self) -> None:
+        for r in self.replicas:
+            if r.ready:
+                await r.snapshot_all()
+
+    def unfinished(self) -> list[Op]:
+        return [op for r in self.replicas for op in r.unfinished()]
+
+    # ---- placement ----
+    def _replica_of(self, model_id: str) -> RemoteEngine:
+        with self._lock:
+            found = self._placed.get(model_id)
+            if found is None:
+                found = (
+                    self._least_loaded() or self.replicas[len(self._placed) % len(self.replicas)]
+                )
+                self._placed[model_id] = found
+            return found
+
+    def _least_loaded(self, exclude: RemoteEngine | None = None) -> RemoteEngine | None:
+        with self._lock:
+            load = {id(r): 0 for r in self.replicas}
+            for owner in self._placed.values():
+                load[id(owner)] += 1
+            serving = [r for r in self.replicas if r.ready and r is not exclude]
+            return min(serving, key=lambda r: (load[id(r)], len(r.unfinished())), default=None)
+
+    def _sampler_replica(self, adapter: str | None) -> RemoteEngine:
+        if adapter is not None:
+            with self._lock:
+                if adapter in self._placed:  # a live training model's current weights
+                    return self._placed[adapter]
+            for r in self.replicas:
+                if r.is_live(adapter):
+                    return r
+        return self._least_loaded() or self.replicas[0]
+
+    def _move(self, model_id: str, source: RemoteEngine, target: RemoteEngine) -> None:
+        """Hub thread: restore the model on `target` (event loop), then send what waited."""
+        with self._lock:
+            if self._placed.get(model_id) is not source:
+                return
+            self._placed[model_id] = target
+            self._moving[model_id] = source.take_model(model_id)
+        log.warning(
+            "replica of %s down for over %.0f s: moving %s to another replica",
+            self._name,
+            self.failover_after_s,
+            model_id,
+        )
+
+        async def move() -> None:
+            with self._lock:
+                held = {op.request_id for op in self._moving.get(model_id, [])}
+            try:
+                await self._restore(target, [model_id], held)
+            except Exception:
+                log.exception("could not move %s", model_id)
+            with self._lock:
+                held = self._moving.pop(model_id, [])
+            for op in sorted(held, key=lambda o: (o.seq_id or -1, o.enqueued_at)):
+                target.submit(op)
+
+        asyncio.run_coroutine_threadsafe(move(), self._loop)

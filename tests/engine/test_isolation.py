@@ -276,8 +276,10 @@ def test_an_infinite_loss_adds_nothing(eng, tenants, sft_datum):
     assert not np.isfinite(res[0].metrics["loss:sum"]) and res[0].metrics[NONFINITE] == 1.0
     assert res[1].metrics == other_alone.metrics
     assert all(torch.equal(x, y) for x, y in zip(before, _grads(eng, good), strict=True))
+    # alone, `other` takes the single-adapter kernels (lora._LoraLinear), mixed the
+    # segmented ones: the same sums in another order, equal to rounding
     for x, y in zip(other_before, _grads(eng, other), strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     eng.optim_step(good, AdamSpec(learning_rate=1e-2))
     assert unsafe_layer(eng.bank.live(good).layers) is None
     assert eng.adapter_step(good) == 1
@@ -300,8 +302,8 @@ def test_two_batches_of_one_adapter_only_the_bad_one_drops(eng, tenants, sft_dat
     res = eng.forward_backward([TrainBatch(good, ok), TrainBatch(good, loud)])
     assert np.isfinite(res[1].metrics["loss:sum"]) and res[1].metrics[NONFINITE] == 1.0
     assert res[0].metrics[NONFINITE] == 0.0
-    for x, y in zip(once, _grads(eng, good), strict=True):
-        torch.testing.assert_close(2 * x, y, rtol=1e-5, atol=1e-7)
+    for x, y in zip(once, _grads(eng, good), strict=True):  # sums over 8 rows, then 16
+        torch.testing.assert_close(2 * x, y, rtol=1e-5, atol=1e-6)
     (alone,) = eng.forward_backward([TrainBatch(good, loud)])
     assert alone.metrics[NONFINITE] == 1.0
 

@@ -358,6 +358,7 @@ class AdapterBank:
             return
         module = self._linear(path)
         base_forward = type(module).forward  # nn.Linear's (or a subclass's), unbound
+        plain = type(module) is nn.Linear  # its single-adapter calls may take _LoraLinear
 
         def forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             route = self._route
@@ -371,8 +372,17 @@ class AdapterBank:
                 pair = route.whole.layers.get(path)
                 if pair is None:
                     return base_forward(module, x)
+                fusable = (
+                    plain
+                    and not module.weight.requires_grad  # a frozen base, as always here
+                    and x.dtype == module.weight.dtype == pair.A.dtype
+                )
                 if self._merges(module, pair, x):
                     return F.linear(x, _merged_weight(module, pair), module.bias)
+                if fusable:
+                    return _LoraLinear.apply(
+                        x, module.weight, module.bias, pair.A, pair.B, pair.scale
+                    )
                 out = base_forward(module, x)  # (B, T, out)
                 return (out + _delta(x, pair)).to(out.dtype)
             out = base_forward(module, x)  # (B, T, out)
@@ -575,10 +585,80 @@ def _merged_weight(module: nn.Linear, pair: LoraPair) -> torch.Tensor:
     return torch.addmm(W.to(pair.A.dtype), pair.B, pair.A, alpha=pair.scale).to(W.dtype)
 
 
+class _LoraLinear(torch.autograd.Function):
+    """x W^T + b + scale * (x A^T) B^T for one adapter on a frozen nn.Linear, all of one
+    dtype: the base call plus _delta's numbers, in fewer passes over the output.
+
+    The (N, r) product is scaled, not the (N, out) update, and the update is accumulated
+    into the base matmul's result by addmm (no separate add). Backward as _LoraDelta's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, b, A, B, scale):
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        hs = (x2 @ A.t()).mul_(scale)  # (N, r)
+        y = x2 @ W.t() if b is None else torch.addmm(b, x2, W.t())  # (N, out)
+        y.addmm_(hs, B.t())
+        ctx.save_for_backward(x2, W, A, B, hs)
+        ctx.scale, ctx.in_shape = scale, x.shape
+        return y.view(*x.shape[:-1], W.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, W, A, B, hs = ctx.saved_tensors
+        need_x, _, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+        dx, dA, dB = _lora_grads(dy2, x2, A, B, hs, ctx.scale, need_x, need_a, need_b)
+        if need_x:  # summed as autograd sums the base's and _LoraDelta's: the same numbers
+            dx = (dy2 @ W).add_(dx).view(ctx.in_shape)  # (..., in)
+        db = dy2.sum(0) if need_bias else None
+        return dx, None, db, dA, dB, None
+
+
+class _LoraDelta(torch.autograd.Function):
+    """scale * (x A^T) B^T, the (N, r) product scaled, with a backward whose skinny matmuls
+    run with their long dimension inner (r x N @ N x out, then transposed): BLAS runs those
+    several times faster than the (out x N) @ (N x r) layout autograd picks, which on a
+    large unembedding cost more than the rest of the LoRA."""
+
+    @staticmethod
+    def forward(ctx, x, A, B, scale):
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        hs = (x2 @ A.t()).mul_(scale)  # (N, r)
+        ctx.save_for_backward(x2, A, B, hs)
+        ctx.scale, ctx.in_shape = scale, x.shape
+        return (hs @ B.t()).view(*x.shape[:-1], B.shape[0])  # (..., out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, A, B, hs = ctx.saved_tensors
+        need_x, need_a, need_b, _ = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+        dx, dA, dB = _lora_grads(dy2, x2, A, B, hs, ctx.scale, need_x, need_a, need_b)
+        return None if dx is None else dx.view(ctx.in_shape), dA, dB, None
+
+
+def _lora_grads(dy2, x2, A, B, hs, scale, need_x, need_a, need_b):
+    """(dX from the update only, dA, dB) of scale * (x A^T) B^T, each None when not needed."""
+    dx = dA = dB = None
+    if need_b:
+        dB = (hs.t() @ dy2).t().contiguous()  # (out, r)
+    if need_a or need_x:
+        dh = (B.t() @ dy2.t()).t().mul(scale)  # (N, r)
+        if need_a:
+            dA = dh.t() @ x2  # (r, in)
+        if need_x:
+            dx = dh @ A  # (N, in)
+    return dx, dA, dB
+
+
 def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:
-    """scale * B(A x) in the adapter's dtype (PEFT casts the input the same way)."""
-    x = x.to(pair.A.dtype)
-    return F.linear(F.linear(x, pair.A), pair.B) * pair.scale  # (..., out)
+    """scale * B(A x) in the adapter's dtype (PEFT casts the input the same way). The scale
+    multiplies the rank-r product, as _LoraLinear does: rows of one adapter get the same
+    numbers whether their call takes this path or that one."""
+    return _LoraDelta.apply(x.to(pair.A.dtype), pair.A, pair.B, pair.scale)  # (..., out)
 
 
 def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:

@@ -81,7 +81,10 @@ def forward_backward(
         start = 0
         for batch in batches:
             stop = start + len(batch.data)
-            loss, outs = _batch_loss(logits[start:stop], batch, lengths[start:stop])
+            # one batch takes the logits whole: a slice would cost a (B, T, V) zero-fill and
+            # copy in backward
+            rows = logits if len(batches) == 1 else logits[start:stop]
+            loss, outs = _batch_loss(rows, batch, lengths[start:stop])
             losses.append(loss)
             outputs.append(outs)
             start = stop
@@ -195,6 +198,8 @@ def _batch_loss(
     logits_f = logits.float()  # (n, T, V): the loss is always computed in fp32
     if top_k:
         lp = logits_f.log_softmax(-1).gather(-1, targets)  # (n, T, K)
+    elif logits_f.requires_grad:
+        lp = _TargetLogprobs.apply(logits_f.reshape(n * T, V), targets.reshape(n * T)).view(n, T)
     else:
         # cross_entropy fuses log_softmax and the gather: one pass over the vocabulary
         lp = -F.cross_entropy(
@@ -214,6 +219,30 @@ def _batch_loss(
             out = lp_np[i, : t.shape[0], 0]
         outputs.append({"logprobs": np.ascontiguousarray(out, dtype=np.float32)})
     return loss, outputs
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[target] per row of (M, V) logits, differentiable in the logits.
+
+    What -cross_entropy(reduction="none") gives, in fewer passes over the vocabulary: it
+    keeps the logits and their logsumexp (M,) instead of an (M, V) log_softmax, and its
+    backward writes -g * softmax in one pass and adds g at the targets, where cross
+    entropy's zero-fills an (M, V) gradient, scatters into it and then runs the
+    log_softmax backward over both.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        lse = torch.logsumexp(logits, -1)  # (M,)
+        ctx.save_for_backward(logits, lse, targets)
+        return logits.gather(-1, targets[:, None])[:, 0] - lse  # (M,)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        logits, lse, targets = ctx.saved_tensors
+        d = torch.sub(logits, lse[:, None]).exp_().mul_(-g[:, None])  # (M, V): -g softmax
+        return d.scatter_add_(-1, targets[:, None], g[:, None]), None
 
 
 def _k_mask(targets_np: list[np.ndarray], n: int, T: int, K: int, device) -> torch.Tensor:

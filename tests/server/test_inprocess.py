@@ -24,21 +24,35 @@ GONE, BUSY = [490, 491], [490, 492]
 
 
 def faulty_engine(name: str, path: str, config: ServerConfig):
-    """The real engine, except that two marked prompts fail inside engine.sample, as a
-    sampler whose weights were freed or an engine-side quota would: errors raised in the
-    engine, not at the edge."""
+    """The real engine, except that two marked prompts fail inside its sampler (when they
+    join the decode batch), as a sampler whose weights were freed or an engine-side quota
+    would: errors raised in the engine, not at the edge."""
     engine = default_engine_factory(name, path, config)
-    sample = engine.sample
+    sample, decode_batch = engine.sample, engine.decode_batch
 
-    def faulty(requests):
+    def check(requests):
         for r in requests:
             if r.prompt[:2] == GONE:
                 raise NotFoundError("the sampler's weights went away mid-request")
             if r.prompt[:2] == BUSY:
                 raise QuotaExceededError("this engine takes no more work from you today")
+
+    def faulty(requests):
+        check(requests)
         return sample(requests)
 
-    engine.sample = faulty
+    def faulty_batch():  # the incremental sampler the engine loop uses
+        batch = decode_batch()
+        add = batch.add
+
+        def faulty_add(requests, stream=None):
+            check(requests)
+            return add(requests, stream)
+
+        batch.add = faulty_add
+        return batch
+
+    engine.sample, engine.decode_batch = faulty, faulty_batch
     return engine
 
 

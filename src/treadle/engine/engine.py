@@ -8,6 +8,7 @@ All methods are synchronous and must be called from one thread (the server's eng
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from treadle.engine import checkpoints, train
 from treadle.engine.lora import AdapterBank
@@ -20,6 +21,9 @@ from treadle.engine.types import (
     TrainBatch,
     TrainResult,
 )
+
+if TYPE_CHECKING:
+    from treadle.engine.sample import DecodeBatch
 
 
 class Engine:
@@ -105,6 +109,13 @@ class Engine:
         from treadle.engine.sample import sample
 
         return sample(self, requests)
+
+    def decode_batch(self) -> DecodeBatch:
+        """An empty incremental decode batch on this engine: add requests to it at any time,
+        step it a few tokens at a time (treadle.engine.sample.DecodeBatch)."""
+        from treadle.engine.sample import DecodeBatch
+
+        return DecodeBatch(self)
 
     # ---- checkpoints ----
     def save_adapter(self, adapter_or_snapshot_id: str, out_dir: str | Path) -> None:

@@ -1,16 +1,29 @@
-"""Batched sampling with a KV cache: every request of a call decodes in one batch.
+"""Batched sampling with a KV cache, incremental: a DecodeBatch lives across engine calls.
 
-`sample(engine, requests)` is what `Engine.sample` runs. One call mixes requests of several
-adapters (or snapshots, or the base model), prompt lengths and sampling settings:
+`DecodeBatch(engine)` holds the rows being decoded. `add(requests)` prefills new requests and
+joins them to the rows already decoding (continuous batching); `step(...)` decodes one token
+per row per step, for as many steps as its caller lets it, and hands back the requests that
+finished. Between two calls the engine thread is free for other work (a training step of
+another session), and the rows wait in memory. `sample(engine, requests)`, what
+`Engine.sample` runs, is one add and steps to the end. One call mixes requests of several
+adapters (or snapshots, or the base model), prompt lengths and sampling settings.
 
-1. prefill: each distinct (adapter, prompt) is run once, left-padded into one batch, with the
-   per-row adapter keys handed to `engine.bank.rows`; prompt logprobs come out of this pass
-   (prompts that are only scored, max_tokens 0, run apart without a cache, in chunks);
-2. expand: the cache rows are repeated so that the `num_samples` completions of a prompt share
-   its single prefill, into buffers sized for the whole decode (`sample_utils.preallocate`);
-3. decode: one token per row per step, chosen by `sample_utils.pick_tokens` (vectorised
-   temperature / top-k / top-p, one pre-drawn uniform per row and step); finished rows are
-   dropped from the batch once enough of them have finished, so they stop costing work.
+`add`, in its phases:
+1. plan (`_plan`): one prefill row per distinct (adapter, prompt) some request needs;
+   requests that want neither prompt logprobs nor new tokens need no model work at all;
+2. score (`_score`): prompts that are only scored (max_tokens 0, compute_logprobs) run
+   apart without a cache, in chunks whose logits fit LOGITS_BUDGET;
+3. prefill (`_prefill`): the generating prompts, left-padded into one batch, with the
+   per-row adapter keys handed to `engine.bank.rows`; prompt logprobs of these rows come out
+   of the same pass;
+4. expand (`_cohort`): the cache rows are repeated so that the `num_samples` completions of a
+   prompt share its single prefill, into buffers sized for the whole decode
+   (`sample_utils.preallocate`), one pre-drawn uniform per row and step;
+5. join (`treadle.engine.decode.join`): the new rows join the running ones in one cache.
+
+`step`: one token per row per step (`treadle.engine.decode.Cohort`: pick, drop finished rows
+once enough of them have finished, forward). A row's tokens depend only on its own prompt,
+adapter, settings and seed, never on which rows share its batch or when it joined.
 
 Logprobs reported for sampled tokens are log_softmax of the raw logits in fp32, not of the
 temperature / top-k / top-p adjusted distribution: the trainer computes exactly this quantity
@@ -21,18 +34,19 @@ are the same.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
+import itertools
 import secrets
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from treadle.engine.decode import Cohort, cache_arg, join, joinable
 from treadle.engine.sample_utils import (
     StopStringMatcher,
     alt_tokens_of_row,
-    pick_tokens,
     preallocate,
     prompt_logprobs_of_row,
     target_logprobs_of_row,
@@ -40,59 +54,12 @@ from treadle.engine.sample_utils import (
 )
 from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
 
-
-@functools.cache
-def _cache_arg(model_type: type) -> str:
-    """transformers 5.x names the KV cache argument and output `cache`, 4.x `past_key_values`."""
-    params = inspect.signature(model_type.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 # Scoring prefills are split so that their full (rows, T, V) logits stay under this many
 # elements: compute_logprobs over many long prompts must not allocate rows * T * V at once.
 LOGITS_BUDGET = 2**27
 
-# Drop finished rows from the decode batch once this fraction of the batch has finished:
-# compaction copies the whole KV cache, so doing it for every single finished row costs more
-# than it saves.
-COMPACT_FRACTION = 0.25
-
-
-@dataclass
-class _Decode:
-    """State of the rows still in the decode batch; `rows` maps batch index -> output row."""
-
-    rows: torch.Tensor  # (n,) int64 index into the (N, M) output buffers
-    keys: list[str | None]  # adapter key per batch row, what engine.bank.rows receives
-    prompt_len: torch.Tensor  # (n,) int64
-    temperature: torch.Tensor  # (n,) fp32, 1 where greedy so that dividing is harmless
-    greedy: torch.Tensor  # (n,) bool
-    top_k: torch.Tensor  # (n,) int64, V where off
-    top_p: torch.Tensor  # (n,) fp32
-    max_tokens: torch.Tensor  # (n,) int64
-    stop_ids: torch.Tensor  # (n, S) int64, -1 pads
-    uniforms: torch.Tensor  # (n, M) fp32, the random draw of each step
-    mask: torch.Tensor  # (n, T + M) int64 attention mask, left padding zeros
-    done: torch.Tensor  # (n,) bool
-    matchers: dict[int, StopStringMatcher] = field(default_factory=dict)  # by output row
-    _matcher_pos: list[int] | None = None
-
-    def matcher_pos(self) -> list[int]:
-        """Batch positions of the rows that have stop strings."""
-        if self._matcher_pos is None:
-            self._matcher_pos = [b for b, r in enumerate(self.rows.tolist()) if r in self.matchers]
-        return self._matcher_pos
-
-    def select(self, keep: torch.Tensor) -> None:
-        """Keep batch rows `keep` (a (n',) index tensor) in every per-row tensor."""
-        kept = keep.tolist()
-        self.keys = [self.keys[i] for i in kept]
-        for name in (
-            "rows", "prompt_len", "temperature", "greedy", "top_k", "top_p",
-            "max_tokens", "stop_ids", "uniforms", "mask", "done",
-        ):  # fmt: skip
-            setattr(self, name, getattr(self, name)[keep])
-        self._matcher_pos = None
+# What step() reports of streamed rows: (request handle, sample index, position, token, logprob)
+StreamedToken = tuple[int, int, int, int, float]
 
 
 def sample(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
@@ -102,51 +69,183 @@ def sample(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
     eos_token_ids, vocab_size, max_seq_len and device. Raises InvalidRequestError naming the
     field for any invalid request, before any model work.
     """
-    for i, req in enumerate(requests):
-        validate_request(engine, req, i)
-    with torch.inference_mode():
-        return _run(engine, requests)
+    batch = DecodeBatch(engine)
+    handles = batch.add(requests)
+    done: dict[int, SampleResult] = {}
+    while len(batch):
+        done.update(batch.step())
+    return [done[h] for h in handles]
 
 
-def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
-    device = torch.device(engine.device)
-    results = [SampleResult(sequences=[]) for _ in requests]
-    for req, res in zip(requests, results, strict=True):
-        if req.params.max_tokens == 0:
-            res.sequences = [SampledSeq([], [], "length") for _ in range(req.num_samples)]
+@dataclass
+class _Pending:
+    """A request some of whose samples are still decoding."""
 
-    # One prefill row per distinct (adapter, prompt). A row is "generating" if some request
-    # decodes from it, else it only scores its prompt; requests that want neither prompt
-    # logprobs nor new tokens need no model work at all.
-    row_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
-    row_of_req: list[int] = []
-    for req in requests:
-        if _wants_prompt_logprobs(req) or req.params.max_tokens > 0:
-            key = (req.adapter, tuple(req.prompt))
-            row_of_req.append(row_of.setdefault(key, len(row_of)))
-        else:
-            row_of_req.append(-1)
-    row_keys = list(row_of)
-    topks: dict[int, set[int]] = {}  # row -> the top-K sizes its requests ask for (0: none)
-    per_request: dict[int, list[int]] = {}  # row -> requests with target ids or alt draws
-    generating_row = [False] * len(row_keys)
-    for i, (req, r) in enumerate(zip(requests, row_of_req, strict=True)):
-        if _wants_prompt_logprobs(req):
-            topks.setdefault(r, set()).add(req.topk_prompt_logprobs)
-        if req.target_prompt_ids is not None or req.prompt_alt_tokens_k > 0:
-            per_request.setdefault(r, []).append(i)
-        if req.params.max_tokens > 0:
-            generating_row[r] = True
+    result: SampleResult
+    seqs: list[SampledSeq | None]
+    left: int
 
-    # Prompt logprobs, once per (row, top-K) even when several requests share the row.
-    memo: dict[tuple[int, int], tuple[list, list | None]] = {}
 
-    def collect(logits: torch.Tensor, rows: list[int], T: int) -> None:
+class DecodeBatch:
+    """The requests being sampled on one engine, kept between engine calls.
+
+    Only the engine's thread may call it. Rows usually share one cohort (one KV cache); a
+    model whose cache layers cannot be joined (sliding windows, linear attention) decodes
+    its cohorts one after the other instead.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.cohort: Cohort | None = None
+        self.waiting: deque[Cohort] = deque()  # cohorts that could not join the running one
+        self._pending: dict[int, _Pending] = {}
+        self._ready: list[tuple[int, SampleResult]] = []
+        self._handles = itertools.count()
+
+    def __len__(self) -> int:
+        """Requests added whose results step() has not handed back yet."""
+        return len(self._pending) + len(self._ready)
+
+    @property
+    def rows(self) -> int:
+        """Decode rows held (finished rows not yet dropped included)."""
+        return sum(len(c) for c in (self.cohort, *self.waiting) if c is not None)
+
+    @property
+    def has_results(self) -> bool:
+        """Whether a finished request waits to be handed back by step()."""
+        return bool(self._ready)
+
+    # ---- admitting requests ----
+    def add(self, requests: list[SampleRequest], stream: list[bool] | None = None) -> list[int]:
+        """Prefill requests and join them to the decoding rows: → a handle per request.
+
+        Raises InvalidRequestError naming the field (requests[i].<field>) for any invalid
+        request, before any model work; on any error the batch is as it was. `stream[i]` asks for
+        request i's tokens as they are sampled (step's on_tokens). Requests that need no new
+        tokens (max_tokens 0) are finished at once; step() hands their results back.
+        """
+        engine = self.engine
+        for i, req in enumerate(requests):
+            validate_request(engine, req, i)
+        stream = list(stream) if stream is not None else [False] * len(requests)
+        handles = [next(self._handles) for _ in requests]
+        results = [SampleResult(sequences=[]) for _ in requests]
+        with torch.inference_mode():
+            plan = _plan(requests)
+            _score(engine, plan, requests, results)
+            cohort = _prefill_and_expand(engine, plan, requests, results, handles, stream)
+            plan.fill_prompt_logprobs(requests, results)
+            running, waiting = self.cohort, list(self.waiting)
+            if cohort is None or cohort.cache is None:
+                pass
+            elif running is None:
+                running = cohort
+            elif joinable(running) and joinable(cohort):
+                running = join(running, cohort)
+            else:
+                waiting.append(cohort)
+            # nothing above changed the batch: from here on, nothing fails
+            self.cohort, self.waiting = running, deque(waiting)
+            for h, req, res in zip(handles, requests, results, strict=True):
+                n = req.num_samples
+                if req.params.max_tokens == 0:
+                    res.sequences = [SampledSeq([], [], "length") for _ in range(n)]
+                    self._ready.append((h, res))
+                else:
+                    self._pending[h] = _Pending(res, [None] * n, n)
+            if cohort is not None and cohort.cache is None:
+                # every row ends at its first token, which the prefill gives: no decode step
+                _, finished, _ = cohort.pick()
+                self._harvest(cohort, finished)
+        return handles
+
+    # ---- decoding ----
+    def step(
+        self,
+        max_steps: int = 2**31,
+        until: Callable[[], bool] | None = None,
+        on_tokens: Callable[[list[StreamedToken]], None] | None = None,
+    ) -> list[tuple[int, SampleResult]]:
+        """Decode up to max_steps tokens per row, stopping early once `until()` (asked after
+        every step) is true: → (handle, result) of the requests that finished, including
+        those add() finished at once. `on_tokens` hears the tokens of streamed requests
+        after every step. A step that fails leaves the batch unusable: drop it.
+        """
+        bank = self.engine.bank
+        with torch.inference_mode(), contextlib.ExitStack() as routed:
+            route_for: Cohort | None = None  # the cohort whose keys are routed now
+            for _ in range(max_steps):
+                if self.cohort is None:
+                    if not self.waiting:
+                        break
+                    self.cohort = self.waiting.popleft()
+                c = self.cohort
+                tok, finished, streamed = c.pick()
+                if streamed and on_tokens is not None:
+                    on_tokens([(*c.owner[b], pos, t, lp) for b, pos, t, lp in streamed])
+                if finished:
+                    self._harvest(c, finished)
+                if c.all_done:
+                    self.cohort = None
+                else:
+                    if c.compact_due():
+                        keep = (~c.done).nonzero().squeeze(1)  # (n',)
+                        tok = tok[keep]
+                        c.select(keep)
+                        route_for = None  # the adapter keys must follow the rows
+                    if route_for is not c:
+                        routed.close()
+                        routed.enter_context(bank.rows(c.keys))
+                        route_for = c
+                    c.forward(self.engine, tok)
+                if until is not None and until():
+                    break
+        out, self._ready = self._ready, []
+        return out
+
+    def _harvest(self, c: Cohort, rows: list[int]) -> None:
+        for b, seq in zip(rows, c.seqs(rows), strict=True):
+            h, j = c.owner[b]
+            p = self._pending[h]
+            p.seqs[j] = seq
+            p.left -= 1
+            if p.left == 0:
+                p.result.sequences = p.seqs  # type: ignore[assignment]
+                self._ready.append((h, p.result))
+                del self._pending[h]
+
+
+# ---- add, phase by phase ---------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """The prefill rows of one add(): one per distinct (adapter, prompt)."""
+
+    keys: list[tuple[str | None, tuple[int, ...]]]
+    row_of_req: list[int]  # each request's row; -1 when it needs no model work
+    topks: dict[int, set[int]]  # row → the top-K sizes its requests ask for (0: none)
+    per_request: dict[int, list[int]]  # row → requests with target ids or alt draws
+    generating: list[bool]  # per row: some request decodes from it
+    # prompt logprobs, once per (row, top-K) even when several requests share the row
+    memo: dict[tuple[int, int], tuple[list, list | None]] = field(default_factory=dict)
+
+    def collect(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        T: int,
+        requests: list[SampleRequest],
+        results: list[SampleResult],
+    ) -> None:
+        """What the (len(rows), T, V) prefill logits give: prompt logprobs, target logprobs,
+        alternative draws."""
         for local, r in enumerate(rows):
-            prompt = row_keys[r][1]
-            for k in topks.get(r, ()):
-                memo[(r, k)] = prompt_logprobs_of_row(logits[local], prompt, T, k)
-            for i in per_request.get(r, ()):
+            prompt = self.keys[r][1]
+            for k in self.topks.get(r, ()):
+                self.memo[(r, k)] = prompt_logprobs_of_row(logits[local], prompt, T, k)
+            for i in self.per_request.get(r, ()):
                 req, res = requests[i], results[i]
                 if req.target_prompt_ids is not None:
                     res.target_prompt_logprobs = target_logprobs_of_row(
@@ -159,66 +258,171 @@ def _run(engine: Any, requests: list[SampleRequest]) -> list[SampleResult]:
                         sp.temperature, sp.seed,
                     )  # fmt: skip
 
-    # Scoring rows (compute_logprobs) need full logits and no cache: run them apart, longest
-    # first, in chunks whose (rows, T, V) logits fit LOGITS_BUDGET.
-    scoring = sorted(
-        (r for r in range(len(row_keys)) if not generating_row[r]),
-        key=lambda r: -len(row_keys[r][1]),
-    )
-    for chunk in _chunks(scoring, [len(row_keys[r][1]) for r in scoring], engine.vocab_size):
-        logits, _, T = _prefill(engine, [row_keys[r] for r in chunk], True, use_cache=False)
-        collect(logits, chunk, T)
-        del logits
+    def fill_prompt_logprobs(
+        self, requests: list[SampleRequest], results: list[SampleResult]
+    ) -> None:
+        for i, req in enumerate(requests):
+            if _wants_prompt_logprobs(req):
+                lps, topk = self.memo[(self.row_of_req[i], req.topk_prompt_logprobs)]
+                if req.prompt_logprobs:
+                    results[i].prompt_logprobs = lps
+                if req.topk_prompt_logprobs > 0:
+                    results[i].topk_prompt_logprobs = topk
 
-    generating = [i for i, r in enumerate(requests) if r.params.max_tokens > 0]
-    if generating:
-        gen_rows = [r for r in range(len(row_keys)) if generating_row[r]]
-        full = any(r in topks for r in gen_rows)
-        M = max(requests[i].params.max_tokens for i in generating)
-        # with max_tokens 1 everywhere the prefill logits give every token: no cache needed
-        logits, cache, T = _prefill(engine, [row_keys[r] for r in gen_rows], full, M > 1)
-        if full:
-            collect(logits, gen_rows, T)
-        last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
-        del logits
-        local = {r: j for j, r in enumerate(gen_rows)}
-        state, src = _expand(
-            engine, requests, generating, [local.get(r, -1) for r in row_of_req], T, device
-        )
-        preallocate(cache, src, T + M)
-        if src is not None:
-            last = last[src]  # (N, V)
-        K = max(requests[i].topk_sample_logprobs for i in generating)
-        tokens, logprobs, length, stopped, topk = _decode(engine, state, cache, last, T, K)
-        tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
-        length_l, stopped_l = length.tolist(), stopped.tolist()
-        topk_l = (topk[0].tolist(), topk[1].tolist()) if topk is not None else None
-        row = 0
-        for i in generating:
-            seqs = []
-            k_i = requests[i].topk_sample_logprobs
-            for _ in range(requests[i].num_samples):
-                n = length_l[row]
-                reason = "stop" if stopped_l[row] else "length"
-                seq = SampledSeq(tokens_l[row][:n], logprobs_l[row][:n], reason)
-                if k_i > 0 and topk_l is not None:
-                    ids_row, lps_row = topk_l[0][row][:n], topk_l[1][row][:n]
-                    seq.topk = [
-                        list(zip(ids[:k_i], lps[:k_i], strict=True))
-                        for ids, lps in zip(ids_row, lps_row, strict=True)
-                    ]
-                seqs.append(seq)
-                row += 1
-            results[i].sequences = seqs
 
-    for i, req in enumerate(requests):
+def _plan(requests: list[SampleRequest]) -> _Plan:
+    row_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    row_of_req: list[int] = []
+    for req in requests:
+        if _wants_prompt_logprobs(req) or req.params.max_tokens > 0:
+            key = (req.adapter, tuple(req.prompt))
+            row_of_req.append(row_of.setdefault(key, len(row_of)))
+        else:
+            row_of_req.append(-1)
+    plan = _Plan(list(row_of), row_of_req, {}, {}, [False] * len(row_of))
+    for i, (req, r) in enumerate(zip(requests, row_of_req, strict=True)):
         if _wants_prompt_logprobs(req):
-            lps, topk = memo[(row_of_req[i], req.topk_prompt_logprobs)]
-            if req.prompt_logprobs:
-                results[i].prompt_logprobs = lps
-            if req.topk_prompt_logprobs > 0:
-                results[i].topk_prompt_logprobs = topk
-    return results
+            plan.topks.setdefault(r, set()).add(req.topk_prompt_logprobs)
+        if req.target_prompt_ids is not None or req.prompt_alt_tokens_k > 0:
+            plan.per_request.setdefault(r, []).append(i)
+        if req.params.max_tokens > 0:
+            plan.generating[r] = True
+    return plan
+
+
+def _score(
+    engine: Any, plan: _Plan, requests: list[SampleRequest], results: list[SampleResult]
+) -> None:
+    """Scoring rows need full logits and no cache: run apart, longest first, in chunks
+    whose (rows, T, V) logits fit LOGITS_BUDGET."""
+    scoring = sorted(
+        (r for r in range(len(plan.keys)) if not plan.generating[r]),
+        key=lambda r: -len(plan.keys[r][1]),
+    )
+    for chunk in _chunks(scoring, [len(plan.keys[r][1]) for r in scoring], engine.vocab_size):
+        logits, _, T = _prefill(engine, [plan.keys[r] for r in chunk], True, use_cache=False)
+        plan.collect(logits, chunk, T, requests, results)
+        del logits
+
+
+def _prefill_and_expand(
+    engine: Any,
+    plan: _Plan,
+    requests: list[SampleRequest],
+    results: list[SampleResult],
+    handles: list[int],
+    stream: list[bool],
+) -> Cohort | None:
+    """The generating prompts' prefill, expanded to one decode row per sample (None: no
+    request generates)."""
+    generating = [i for i, r in enumerate(requests) if r.params.max_tokens > 0]
+    if not generating:
+        return None
+    gen_rows = [r for r in range(len(plan.keys)) if plan.generating[r]]
+    full = any(r in plan.topks for r in gen_rows)
+    M = max(requests[i].params.max_tokens for i in generating)
+    # with max_tokens 1 everywhere the prefill logits give every token: no cache needed
+    logits, cache, T = _prefill(engine, [plan.keys[r] for r in gen_rows], full, M > 1)
+    if full:
+        plan.collect(logits, gen_rows, T, requests, results)
+    last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
+    del logits
+    local = {r: j for j, r in enumerate(gen_rows)}
+    src = [local[plan.row_of_req[i]] for i in generating for _ in range(requests[i].num_samples)]
+    device = last.device
+    src_t = None if src == list(range(len(gen_rows))) else torch.tensor(src, device=device)
+    preallocate(cache, src_t, T + M)
+    return _cohort(
+        engine,
+        [requests[i] for i in generating],
+        [handles[i] for i in generating],
+        [stream[i] for i in generating],
+        last if src_t is None else last[src_t],
+        cache,
+        T,
+    )
+
+
+def _cohort(
+    engine: Any,
+    requests: list[SampleRequest],
+    handles: list[int],
+    stream: list[bool],
+    logits: torch.Tensor,
+    cache: Any,
+    T: int,
+) -> Cohort:
+    """Decode rows (one per sample, request-major) over a prefill of padded length T whose
+    cache rows and next-token logits (N, V) are already one per sample."""
+    device = logits.device
+    V = int(engine.vocab_size)
+    eos = [int(t) for t in engine.eos_token_ids]
+    M = max(r.params.max_tokens for r in requests)
+    W = M + 1  # the spare last column is where finished rows write
+    owner, keys, topk, matchers = [], [], [], []
+    plen, temp, greedy, top_k, top_p, maxtok, stops, unif, streamed = ([] for _ in range(9))
+    for h, req, st in zip(handles, requests, stream, strict=True):
+        sp = req.params
+        # One generator per request, drawn on the CPU: sample j of a request with a given seed
+        # gets the same uniforms whatever else is in the batch and whatever the device.
+        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        u = torch.rand(req.num_samples, sp.max_tokens, generator=gen)  # (num_samples, m)
+        u = torch.nn.functional.pad(u, (0, W - sp.max_tokens))  # (num_samples, W)
+        stop_ids = list(dict.fromkeys(sp.stop_tokens + (eos if sp.stop_at_eos else [])))
+        for j in range(req.num_samples):
+            owner.append((h, j))
+            keys.append(req.adapter)
+            topk.append(req.topk_sample_logprobs)
+            matchers.append(
+                StopStringMatcher(engine.tokenizer, sp.stop_strings) if sp.stop_strings else None
+            )
+            plen.append(len(req.prompt))
+            temp.append(sp.temperature if sp.temperature > 0 else 1.0)
+            greedy.append(sp.temperature == 0)
+            top_k.append(sp.top_k if sp.top_k > 0 else V)
+            top_p.append(sp.top_p)
+            maxtok.append(sp.max_tokens)
+            stops.append(stop_ids)
+            unif.append(u[j])
+            streamed.append(st)
+    N, S, K = len(owner), max(1, max(len(s) for s in stops)), max(topk)
+    stop_t = torch.full((N, S), -1, dtype=torch.long)
+    for r, s in enumerate(stops):
+        stop_t[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+    plen_t = torch.tensor(plen, dtype=torch.long)
+    mask = torch.ones(N, T + M, dtype=torch.long)  # (N, T + M), the cache's capacity
+    mask[:, :T] = (torch.arange(T)[None, :] >= (T - plen_t)[:, None]).long()
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return Cohort(
+        owner=owner,
+        keys=keys,
+        topk=topk,
+        matchers=matchers,
+        cache=cache,
+        length=T,
+        mask=mask.to(device),
+        logits=logits,
+        prompt_len=plen_t.to(device),
+        temperature=t(temp, torch.float32),
+        greedy=t(greedy, torch.bool),
+        top_k=t(top_k, torch.long),
+        top_p=t(top_p, torch.float32),
+        max_tokens=t(maxtok, torch.long),
+        stop_ids=stop_t.to(device),
+        uniforms=torch.stack(unif).to(device),
+        stream=t(streamed, torch.bool),
+        step=torch.zeros(N, dtype=torch.long, device=device),
+        done=torch.zeros(N, dtype=torch.bool, device=device),
+        stopped=torch.zeros(N, dtype=torch.bool, device=device),
+        tokens=torch.zeros(N, W, dtype=torch.long, device=device),
+        logprobs=torch.zeros(N, W, dtype=torch.float32, device=device),
+        top_ids=torch.zeros(N, W, K, dtype=torch.long, device=device),
+        top_lp=torch.zeros(N, W, K, dtype=torch.float32, device=device),
+    )
 
 
 def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]]:
@@ -271,151 +475,5 @@ def _prefill(
             use_cache=use_cache,
             logits_to_keep=0 if full_logits else 1,
         )
-    cache = getattr(out, _cache_arg(type(engine.model))) if use_cache else None
+    cache = getattr(out, cache_arg(type(engine.model))) if use_cache else None
     return out.logits, cache, T
-
-
-def _expand(
-    engine: Any,
-    requests: list[SampleRequest],
-    generating: list[int],
-    row_of_req: list[int],
-    T: int,
-    device: torch.device,
-) -> tuple[_Decode, torch.Tensor | None]:
-    """Per-row decode state (one row per sample) and the prefill row each one reads.
-
-    row_of_req[i] is request i's row in the generating prefill. The second value is None
-    when the decode rows are exactly the prefill rows.
-    """
-    V = int(engine.vocab_size)
-    eos = [int(t) for t in engine.eos_token_ids]
-    M = max(requests[i].params.max_tokens for i in generating)
-    src, keys, plen, temp, topk, topp, maxtok, stops, unif = [], [], [], [], [], [], [], [], []
-    matchers: dict[int, StopStringMatcher] = {}
-    for i in generating:
-        req, sp = requests[i], requests[i].params
-        # One generator per request, drawn on the CPU: sample j of a request with a given seed
-        # gets the same uniforms whatever else is in the batch and whatever the device.
-        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        u = torch.rand(req.num_samples, sp.max_tokens, generator=gen)  # (num_samples, m)
-        u = torch.nn.functional.pad(u, (0, M - sp.max_tokens))  # (num_samples, M)
-        stop_ids = list(dict.fromkeys(sp.stop_tokens + (eos if sp.stop_at_eos else [])))
-        for j in range(req.num_samples):
-            if sp.stop_strings:
-                matchers[len(src)] = StopStringMatcher(engine.tokenizer, sp.stop_strings)
-            src.append(row_of_req[i])
-            keys.append(req.adapter)
-            plen.append(len(req.prompt))
-            temp.append(sp.temperature if sp.temperature > 0 else 1.0)
-            topk.append(sp.top_k if sp.top_k > 0 else V)
-            topp.append(sp.top_p)
-            maxtok.append(sp.max_tokens)
-            stops.append(stop_ids)
-            unif.append(u[j])
-    N, S = len(src), max(len(s) for s in stops)
-    stop_t = torch.full((N, S), -1, dtype=torch.long)
-    for r, s in enumerate(stops):
-        stop_t[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-    plen_t = torch.tensor(plen, dtype=torch.long)
-    mask = torch.ones(N, T + M, dtype=torch.long)  # (N, T + M)
-    mask[:, :T] = (torch.arange(T)[None, :] >= (T - plen_t)[:, None]).long()
-    greedy = torch.tensor([requests[i].params.temperature == 0 for i in generating])
-    greedy = greedy.repeat_interleave(torch.tensor([requests[i].num_samples for i in generating]))
-    state = _Decode(
-        rows=torch.arange(N, device=device),
-        keys=keys,
-        prompt_len=plen_t.to(device),
-        temperature=torch.tensor(temp, dtype=torch.float32, device=device),
-        greedy=greedy.to(device),
-        top_k=torch.tensor(topk, dtype=torch.long, device=device),
-        top_p=torch.tensor(topp, dtype=torch.float32, device=device),
-        max_tokens=torch.tensor(maxtok, dtype=torch.long, device=device),
-        stop_ids=stop_t.to(device),
-        uniforms=torch.stack(unif).to(device),
-        mask=mask.to(device),
-        done=torch.zeros(N, dtype=torch.bool, device=device),
-        matchers=matchers,
-    )
-    identity = src == list(range(max(src) + 1))
-    return state, None if identity else torch.tensor(src, dtype=torch.long, device=device)
-
-
-def _decode(
-    engine: Any, st: _Decode, cache: Any, logits: torch.Tensor, T: int, K: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
-    """The decode loop. Returns tokens (N, M), logprobs (N, M), lengths (N,), stopped (N,),
-    and with K > 0 the top K (ids (N, M, K), logprobs (N, M, K)) at every step, else None."""
-    N, M = st.uniforms.shape
-    device = st.rows.device
-    out_tok = torch.zeros(N, M, dtype=torch.long, device=device)  # (N, M)
-    out_lp = torch.zeros(N, M, dtype=torch.float32, device=device)  # (N, M)
-    top_ids = torch.zeros(N, M, K, dtype=torch.long, device=device)  # (N, M, K)
-    top_lp = torch.zeros(N, M, K, dtype=torch.float32, device=device)  # (N, M, K)
-    out_len = torch.zeros(N, dtype=torch.long, device=device)  # (N,)
-    out_stop = torch.zeros(N, dtype=torch.bool, device=device)  # (N,)
-    any_filter = bool(((st.top_k < logits.shape[-1]) | (st.top_p < 1)).any())
-    all_greedy = bool(st.greedy.all())
-    cache_arg = _cache_arg(type(engine.model))
-
-    with contextlib.ExitStack() as rows_ctx:
-        rows_ctx.enter_context(engine.bank.rows(st.keys))
-        k, n_done = 0, 0  # step, finished rows still in the batch
-        while True:
-            tok, lp = pick_tokens(
-                logits, st.greedy, st.temperature, st.top_k, st.top_p, st.uniforms[:, k],
-                all_greedy=all_greedy, any_filter=any_filter,
-            )  # fmt: skip
-            out_tok[st.rows, k] = tok
-            out_lp[st.rows, k] = lp
-            if K:  # of the raw distribution, like the sampled logprobs
-                vals, ids = logits.float().log_softmax(-1).topk(K, dim=-1)  # (n, K)
-                top_ids[st.rows, k] = ids
-                top_lp[st.rows, k] = vals
-            hit = (tok[:, None] == st.stop_ids).any(-1)  # (n,)
-            if st.matchers:
-                hit |= _stop_string_hits(st, tok)
-            new = ~st.done & (hit | (st.max_tokens <= k + 1))  # (n,)
-            n_new = int(new.sum())  # the one host sync of a step
-            if n_new:
-                # indexed by row ids, not by the mask: no second sync on an accelerator
-                out_len[st.rows] = torch.where(new, k + 1, out_len[st.rows])
-                out_stop[st.rows] = torch.where(new, hit, out_stop[st.rows])
-                st.done |= new
-                n_done += n_new
-            n = len(st.keys)
-            if n_done == n:
-                break
-            if n_done >= max(1, int(COMPACT_FRACTION * n)):
-                keep = (~st.done).nonzero().squeeze(1)  # (n',)
-                tok = tok[keep]
-                st.select(keep)
-                cache.batch_select_indices(keep)
-                n_done = 0
-                rows_ctx.close()  # the adapter keys must follow the rows
-                rows_ctx.enter_context(engine.bank.rows(st.keys))
-            out = engine.model(
-                input_ids=tok[:, None],  # (n, 1)
-                attention_mask=st.mask[:, : T + k + 1],  # (n, T + k + 1)
-                position_ids=(st.prompt_len + k)[:, None],  # (n, 1)
-                use_cache=True,
-                **{cache_arg: cache},
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1]  # (n, V)
-            k += 1
-    return out_tok, out_lp, out_len, out_stop, ((top_ids, top_lp) if K else None)
-
-
-def _stop_string_hits(st: _Decode, tok: torch.Tensor) -> torch.Tensor:
-    """(n,) bool: rows whose generated text now contains one of their stop strings.
-
-    Only rows with stop strings are looked at (and moved to the CPU).
-    """
-    hits = torch.zeros(len(st.keys), dtype=torch.bool)
-    pos = st.matcher_pos()
-    for b, r, t in zip(pos, st.rows[pos].tolist(), tok[pos].tolist(), strict=True):
-        if st.matchers[r].push(t):
-            hits[b] = True
-    return hits.to(tok.device)

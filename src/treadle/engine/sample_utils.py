@@ -175,12 +175,23 @@ class GrowingLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
         super().__init__()
         B, H, L, _ = keys.shape  # (B, H, L, D)
-        self._k = keys.new_empty(B, H, capacity, keys.shape[-1])  # (B, H, C, D)
-        self._v = values.new_empty(B, H, capacity, values.shape[-1])  # (B, H, C, Dv)
-        self._k[:, :, :L] = keys
-        self._v[:, :, :L] = values
-        self._len = L
-        self.device, self.is_initialized = keys.device, True
+        k = keys.new_empty(B, H, capacity, keys.shape[-1])  # (B, H, C, D)
+        v = values.new_empty(B, H, capacity, values.shape[-1])  # (B, H, C, Dv)
+        k[:, :, :L] = keys
+        v[:, :, :L] = values
+        self._adopt(k, v, L)
+
+    @classmethod
+    def of_buffers(cls, k: torch.Tensor, v: torch.Tensor, length: int) -> GrowingLayer:
+        """A layer over given (B, H, C, D) buffers whose first `length` slots are filled."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer._adopt(k, v, length)
+        return layer
+
+    def _adopt(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        self._k, self._v, self._len = k, v, length
+        self.device, self.is_initialized = k.device, True
         self._views()
 
     def _views(self) -> None:
@@ -202,8 +213,10 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._len
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices], self._v[indices]
+    def batch_select_indices(self, indices: torch.Tensor, trim: int = 0) -> None:
+        """Keep rows `indices`, and drop the first `trim` slots (padding for all of them)."""
+        self._k, self._v = self._k[indices, :, trim:], self._v[indices, :, trim:]
+        self._len -= trim
         self._views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -235,3 +248,44 @@ def preallocate(cache: Any, rows: torch.Tensor | None, capacity: int) -> None:
             cache.layers[i] = GrowingLayer(k, v, capacity)
         elif rows is not None:
             layer.batch_select_indices(rows)
+
+
+def growing(cache: Any) -> bool:
+    """Whether every layer of the cache is a GrowingLayer: rows of two such caches can be
+    joined (`join_caches`) and leading padding cut (`select_cache_rows`)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer, GrowingLayer) for layer in layers)
+
+
+def select_cache_rows(cache: Any, rows: torch.Tensor, trim: int) -> int:
+    """Keep `rows` of the cache and drop its first `trim` slots where it can (every layer a
+    GrowingLayer); → the slots dropped (0 where it cannot)."""
+    if cache is None:
+        return 0
+    if not growing(cache):
+        cache.batch_select_indices(rows)
+        return 0
+    for layer in cache.layers:
+        layer.batch_select_indices(rows, trim)
+    return trim
+
+
+def join_caches(
+    a: Any, rows_a: torch.Tensor, start_a: int, b: Any, length: int, capacity: int
+) -> Any:
+    """Rows `rows_a` of cache a (their slots from start_a on) and every row of cache b, in
+    new buffers of `capacity` slots, both right-aligned to end at slot `length`; the slots
+    before them are zeros (the caller masks them). Both caches `growing`; → a, rebuilt."""
+    joined = []
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        bufs = []
+        for xa, xb in ((la.keys, lb.keys), (la.values, lb.values)):
+            xa = xa.index_select(0, rows_a)[:, :, start_a:]  # (na, H, La, D)
+            na, nb, H, D = xa.shape[0], xb.shape[0], xa.shape[1], xa.shape[3]
+            buf = xa.new_zeros(na + nb, H, capacity, D)  # (n, H, C, D)
+            buf[:na, :, length - xa.shape[2] : length] = xa
+            buf[na:, :, length - xb.shape[2] : length] = xb
+            bufs.append(buf)
+        joined.append(GrowingLayer.of_buffers(*bufs, length))
+    a.layers[:] = joined  # only once every buffer is made: a failure leaves a as it was
+    return a

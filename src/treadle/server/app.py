@@ -218,6 +218,7 @@ class _ThreadEngines:
                     on_snapshot=self.recovery.snapshot_written if config.durable else None,
                     snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
                     park=park_limits(config),
+                    on_progress=state.futures.progress,
                 )
             )
         self.recovery.load()
@@ -266,6 +267,7 @@ class _ProcessEngines:
                     loop,
                     config.engine_down_timeout_s,
                     replica=index,
+                    on_progress=state.futures.progress,
                 )
 
             group = ReplicatedEngine(

@@ -96,7 +96,7 @@ class ServerConfig(BaseModel):
     max_snapshots_per_model: int = 8
     """In-memory sampler snapshots kept per training model; older ones are freed."""
     max_sample_batch: int = 64
-    """Sample requests handed to one engine.sample call at most."""
+    """Sample requests decoding together at most (more wait to join the decode batch)."""
     max_merge_tokens: int = 65536
     """Consecutive forward/forward_backward requests of one model (the chunks of a big batch)
     share one engine call up to this many tokens; the first always runs."""

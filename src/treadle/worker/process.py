@@ -36,7 +36,7 @@ from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor, StateSnapshot
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Outcome
+from treadle.server.runtime.ops import Outcome, Progress
 from treadle.server.runtime.remote import TOKEN_ENV
 from treadle.server.storage.database import Store
 
@@ -84,6 +84,7 @@ class Worker:
             snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
             report_replays=True,
             park=park_limits(config),
+            on_progress=self._progress,
         )
         self.channel = Channel(
             zmq.DEALER,
@@ -194,6 +195,9 @@ class Worker:
     def _outcomes(self, outcomes: list[Outcome]) -> None:
         body = messages.encode_outcomes(outcomes, self.loop.positions())
         self.channel.send([Kind.OUTCOMES.encode(), body])
+
+    def _progress(self, items: list[Progress]) -> None:
+        self._send(Kind.PROGRESS, messages.ProgressMsg(items))
 
     def _refs(self, added: list[str], dropped: list[str]) -> None:
         self._send(Kind.REFS, messages.Refs(added, dropped))

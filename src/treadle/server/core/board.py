@@ -6,15 +6,20 @@ a `retrieve_future` poll waiting on it returns at once, without reading back the
 written. No timer polls the database, and the database stays the record: an outcome leaves
 memory once delivered (a repeated poll reads the row), and the oldest undelivered ones leave
 when too many pile up.
+
+A streamed sample op's future also hears its Progress (tokens as they are sampled, never
+recorded): `progress` (any thread) queues them for `updates`, which ends once the outcome
+is in.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from treadle.server.runtime.ops import OpKind, Outcome
+from treadle.server.runtime.ops import OpKind, Outcome, Progress
 
 # Undelivered outcomes kept in memory (a client that never polls must not grow the server).
 MAX_KEPT = 4096
@@ -28,6 +33,8 @@ class Filed:
     kind: OpKind
     outcome: Outcome | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # a streamed op's Progress as it comes, then None once the outcome is in
+    updates: asyncio.Queue[Progress | None] | None = None
 
 
 class FutureBoard:
@@ -46,8 +53,8 @@ class FutureBoard:
         self.max_kept = max_kept
         self.max_kept_bytes = max_kept_bytes
 
-    def expect(self, request_id: str, kind: OpKind) -> None:
-        self._filed[request_id] = Filed(kind)
+    def expect(self, request_id: str, kind: OpKind, stream: bool = False) -> None:
+        self._filed[request_id] = Filed(kind, updates=asyncio.Queue() if stream else None)
 
     def forget(self, request_id: str) -> None:
         self._filed.pop(request_id, None)
@@ -61,6 +68,25 @@ class FutureBoard:
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._resolve, outcomes)
 
+    def progress(self, items: list[Progress]) -> None:
+        """Thread-safe: tokens of streamed ops, for whoever follows them (`updates`)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._progress, items)
+
+    def _progress(self, items: list[Progress]) -> None:
+        for item in items:
+            entry = self._filed.get(item.request_id)
+            if entry is not None and entry.updates is not None and entry.outcome is None:
+                entry.updates.put_nowait(item)
+
+    async def updates(self, entry: Filed) -> AsyncIterator[Progress]:
+        """A streamed future's Progress, in order, until its outcome is in."""
+        if entry.updates is None:
+            return
+        while (item := await entry.updates.get()) is not None:
+            yield item
+        entry.updates.put_nowait(None)  # for a second reader
+
     def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             rid = outcome.request_id
@@ -69,6 +95,8 @@ class FutureBoard:
                 continue  # not ours (or already resolved): the database has it
             entry.outcome = outcome
             entry.ready.set()
+            if entry.updates is not None:
+                entry.updates.put_nowait(None)
             size = len(outcome.body or b"")
             self._finished[rid] = size
             self._kept_bytes += size

@@ -11,7 +11,8 @@ One database write per request, one per result, both through the journal:
   only once it is on disk; the console's figures and timeline are recorded after that
   (treadle.server.core.metrics, which writes them a moment later);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
-  in-process callers (the typed result, or the error raised as its own class).
+  in-process callers (the typed result, or the error raised as its own class), and
+  `updates` a streamed sample's tokens as they come (an SSE stream), before its result.
 
 A training request refused at the edge still uses up its seq_id (the SDK reserved it, and
 the model's later requests must not wait for it forever): a failed future is filed in its
@@ -46,7 +47,16 @@ from treadle.server.core.sequences import insert_records
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.messages import encode_payload
-from treadle.server.runtime.ops import Op, OpKind, Outcome, Payload, Result, Skip
+from treadle.server.runtime.ops import (
+    Op,
+    OpKind,
+    Outcome,
+    Payload,
+    Progress,
+    Result,
+    Sample,
+    Skip,
+)
 from treadle.server.storage.queries import (
     Finished,
     finish_requests,
@@ -143,7 +153,8 @@ class Futures:
             "dedup_key": key,
             "payload": op.encoded if self.durable else None,
         }
-        self.expect(op.request_id, kind, tenant.tenant_id)
+        stream = isinstance(payload, Sample) and payload.stream
+        self.expect(op.request_id, kind, tenant.tenant_id, stream=stream)
         if self.metrics is not None:
             self.metrics.filed(op, values)
         committed = self.journal.run(
@@ -200,9 +211,9 @@ class Futures:
         except TreadleError:
             pass  # the seq_id was taken already (or the model is gone): nothing to fill
 
-    def expect(self, request_id: str, kind: OpKind, tenant_id: str) -> None:
+    def expect(self, request_id: str, kind: OpKind, tenant_id: str, stream: bool = False) -> None:
         """Register a future of this process before its op can run."""
-        self.board.expect(request_id, kind)
+        self.board.expect(request_id, kind, stream)
         self.owners[request_id] = tenant_id
         while len(self.owners) > MAX_REQUEST_OWNERS:
             self.owners.popitem(last=False)
@@ -230,6 +241,10 @@ class Futures:
                 self.metrics.finished(resolved)
 
         self.journal.submit(write, done)
+
+    def progress(self, items: list[Progress]) -> None:
+        """Any thread: tokens of streamed sample ops, handed to their `updates` readers."""
+        self.board.progress(items)
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:
@@ -269,6 +284,14 @@ class Futures:
         if outcome.error is not None:
             raise outcome.error.to_exception()
         return outcome.result
+
+    async def updates(self, request_id: str) -> AsyncIterator[Progress]:
+        """A streamed sample op's tokens as they are sampled (Progress, in order), until its
+        outcome is in; `result` then gives the result. Nothing for other futures."""
+        filed = self.board.get(request_id)
+        if filed is not None:
+            async for item in self.board.updates(filed):
+                yield item
 
     def _delivered(self, request_id: str) -> None:
         self.board.delivered(request_id)

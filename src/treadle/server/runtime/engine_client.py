@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.server.runtime.ops import Op, Outcome
+from treadle.server.runtime.ops import Op, Outcome, Progress
 
 OnOutcomes = Callable[[list[Outcome]], None]  # called from the engine's side; must not block
+# tokens of streamed sample ops as they are sampled (engine side; must not block)
+OnProgress = Callable[[list[Progress]], None]
 OnSnapshot = Callable[[Any], None]  # a model's state was written (an executor.StateSnapshot)
 
 
@@ -82,7 +84,8 @@ class EngineClient(ABC):
 
     @abstractmethod
     def submit(self, op: Op) -> None:
-        """Queue an op; its Outcome reaches the on_outcomes callback (never raises)."""
+        """Queue an op; its Outcome reaches the on_outcomes callback (never raises). A
+        sample op with `stream` set also reports its tokens to on_progress as they come."""
 
     # ---- samplers (engine ids of frozen weights) ----
     @abstractmethod

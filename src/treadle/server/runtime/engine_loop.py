@@ -7,6 +7,12 @@ memory, right after their row is committed; only the engine thread ever touches 
 The thread sleeps on a condition until a submit, a control call or a deferred write wakes
 it: no timer.
 
+Sampling does not hold the thread for a whole generation: new sample ops join the engine's
+decode batch, and each round ends with a slice of decode steps, which stops as soon as
+another op can run (`yield_decode`) or a sample op ends. A forward_backward submitted while
+another session generates 512 tokens waits for one decode step, not for the generation.
+Tokens of streamed sample ops go to `on_progress` after every step.
+
 If the loop itself dies (an error outside any one op), every queued op fails with
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
 
@@ -32,11 +38,12 @@ from treadle.server.runtime.engine_client import (
     EngineClient,
     EngineFacts,
     OnOutcomes,
+    OnProgress,
     OnSnapshot,
     SnapshotPolicy,
 )
 from treadle.server.runtime.executor import Deferred, OpExecutor, StateSnapshot
-from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome
+from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.server.runtime.scheduler import (
     DEFAULT_MAX_MERGE_TOKENS,
     DEFAULT_PARK_LIMITS,
@@ -47,12 +54,16 @@ from treadle.server.runtime.scheduler import (
     expire_parked,
     parked_deadline,
     plan_round,
+    yield_decode,
 )
 
 log = logging.getLogger("treadle.engine_loop")
 
 # A deferred durable write waits at most this long for an idle moment before it runs anyway.
 DEFERRED_MAX_WAIT_S = 1.0
+# A slice of decode steps ends after this long even with nothing else to do, so that the
+# round's housekeeping (parked deadlines, deferred writes) runs.
+DECODE_SLICE_S = 0.5
 
 
 class EngineLoop(EngineClient):
@@ -69,8 +80,10 @@ class EngineLoop(EngineClient):
         snapshots: SnapshotPolicy | None = None,
         report_replays: bool = False,
         park: ParkLimits = DEFAULT_PARK_LIMITS,
+        on_progress: OnProgress | None = None,
     ):
         self.facts = facts
+        self._on_progress = on_progress
         self.park = park
         self.executor = executor
         self._on_outcomes = on_outcomes
@@ -224,9 +237,8 @@ class EngineLoop(EngineClient):
     def busy(self) -> bool:
         """Whether anything is queued or deferred (a draining worker waits for False)."""
         with self._cond:
-            return bool(self.samples or self.deferred or self._calls) or any(
-                q.pending for q in self.queues.values()
-            )
+            busy = self.samples or self.deferred or self._calls or self.executor.sampling
+            return bool(busy) or any(q.pending for q in self.queues.values())
 
     def _reset(self) -> None:
         """Forget every model and sampler (a new API took over: it restores what it knows)."""
@@ -236,6 +248,7 @@ class EngineLoop(EngineClient):
             self.deferred.clear()
             self._replay.clear()
             self._changed.clear()
+        self.executor.abort_samples()
         for model_id in models:
             self.executor.drop_model(model_id)
         self.executor.drop_all_refs()
@@ -292,7 +305,7 @@ class EngineLoop(EngineClient):
                 _run_call(fn, fut)
             with self._cond:
                 steps = plan_round(
-                    self.queues, self.samples, self.max_sample_batch, self.max_merge_tokens
+                    self.queues, self.samples, self._room(), self.max_merge_tokens
                 )
                 for step in steps:
                     if step.kind == "sample":
@@ -300,7 +313,38 @@ class EngineLoop(EngineClient):
                         self.samples = [op for op in self.samples if id(op) not in taken]
             for step in steps:
                 self._execute(step)
-            self._maybe_run_deferred(idle=not steps)
+            decoding = self.executor.sampling > 0
+            if decoding:
+                self._decode()
+            self._maybe_run_deferred(idle=not steps and not decoding)
+
+    def _room(self) -> int:
+        """How many more sample ops the decode batch takes (max_sample_batch in all)."""
+        return self.max_sample_batch - self.executor.sampling
+
+    def _decode(self) -> None:
+        """A slice of decode steps, until other work can run or a sample op ends."""
+        deadline = time.monotonic() + DECODE_SLICE_S
+
+        def until() -> bool:
+            if time.monotonic() > deadline:
+                return True
+            with self._cond:
+                if self._stopping or self._calls:
+                    return True
+                return yield_decode(self.queues, self.samples, self._room())
+
+        progress = self._progress if self._on_progress is not None else None
+        self._finish(self.executor.decode(until, progress))  # type: ignore[arg-type]
+
+    def _progress(self, items: list[Progress]) -> None:
+        if self._replay:
+            items = [p for p in items if p.request_id not in self._replay]
+        if items:
+            try:
+                self._on_progress(items)  # type: ignore[misc]
+            except Exception:
+                log.exception("could not report the progress of %d sample ops", len(items))
 
     def _die(self, error: BaseException) -> None:
         dead = EngineDeadError(
@@ -310,6 +354,7 @@ class EngineLoop(EngineClient):
             self._dead = dead
             ops = [*self.samples, *(op for q in self.queues.values() for op in q.pending.values())]
             ops += [job.op for job in self.deferred if job.op is not None]
+            ops += self.executor.abort_samples()
             calls = list(self._calls)
             self.samples, self.queues, self._calls = [], {}, deque()
             self.deferred.clear()
@@ -324,7 +369,7 @@ class EngineLoop(EngineClient):
         return None if first is None else max(0.0, first - time.monotonic())
 
     def _has_work_locked(self) -> bool:
-        if self._calls or self.samples or self.deferred:
+        if self._calls or self.samples or self.deferred or self.executor.sampling:
             return True
         return any(q.next_seq in q.pending for q in self.queues.values())
 
@@ -334,7 +379,7 @@ class EngineLoop(EngineClient):
             if step.kind == "train":
                 outcomes = self.executor.run_train(step.ops, step.forward_only)
             elif step.kind == "sample":
-                outcomes = self.executor.run_samples(step.ops)
+                outcomes = self.executor.admit_samples(step.ops)
             else:
                 outcomes = [self.executor.run_single(step.ops[0])]
         except Exception as e:  # the executor catches per op; this is a last resort

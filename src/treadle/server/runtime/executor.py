@@ -1,18 +1,27 @@
 """Turns scheduled ops into Engine calls, and their results into typed Outcomes.
 
-Runs on the engine thread only (except `is_live`, which any thread may ask). Saves go
-through the CheckpointWriter; the sampler weights in memory (snapshots of training models,
-checkpoints loaded for sampling) are tracked here as "live refs".
+Runs on the engine thread only (except `is_live` and `sampling`, which any thread may ask).
+Saves go through the CheckpointWriter; the sampler weights in memory (snapshots of training
+models, checkpoints loaded for sampling) are tracked here as "live refs".
+
+Sample ops join the engine's DecodeBatch (`admit_samples`) and finish a few decode steps at
+a time (`decode`), while other ops run between the steps. The weights a sample op started
+with stay its weights until it ends: a live training adapter is copied when the op joins
+(a "pin", freed when it ends), and a sampler ref that an op still decodes with is freed
+only once that op ends. Engines without an incremental sampler (no `decode_batch`) run
+sample ops to the end in `admit_samples`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import shutil
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +40,7 @@ from treadle.server.runtime.ops import (
     OptimResult,
     OptimStep,
     Outcome,
+    Progress,
     Sample,
     SaveResult,
     SaveSampler,
@@ -55,6 +65,15 @@ class Deferred:
     run: Callable[[], Outcome | None]
     created_at: float = field(default_factory=time.monotonic)
     model_id: str | None = None
+
+
+@dataclass
+class _Flight:
+    """A sample op in the decode batch, and the weights it holds."""
+
+    op: Op
+    holds: list[str]  # sampler refs and pins it keeps in memory until it ends
+    started_at: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -86,6 +105,12 @@ class OpExecutor:
         self._persisted: dict[str, str] = {}  # sampler snapshot → its folder on disk
         self._live: set[str] = set()  # engine ids a sampling session may use
         self._live_lock = threading.Lock()
+        self._batch: Any = None  # the engine's DecodeBatch, made on first use
+        self._flights: dict[int, _Flight] = {}  # by DecodeBatch handle
+        self._holds: Counter[str] = Counter()  # refs and pins in-flight sample ops use
+        self._pins: set[str] = set()  # copies of live adapters made for sample ops
+        self._drop_later: set[str] = set()  # refs dropped while still in use
+        self._pin_ids = itertools.count()
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {
             OpKind.SKIP: self._skip,
             OpKind.CREATE: self._create,
@@ -117,7 +142,7 @@ class OpExecutor:
             for op, r in zip(ops, results, strict=True)
         ]
 
-    # ---- sampling: all requests in one engine call ----
+    # ---- sampling: all requests in one engine call (engines without a DecodeBatch) ----
     def run_samples(self, ops: list[Op]) -> list[Outcome]:
         try:
             results = self.engine.sample([op.payload.request for op in ops])
@@ -127,6 +152,114 @@ class OpExecutor:
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.run_samples([op])]
         return [_sample_outcome(op, r) for op, r in zip(ops, results, strict=True)]
+
+    # ---- sampling: a decode batch that lives across rounds ----
+    @property
+    def sampling(self) -> int:
+        """Sample ops in the decode batch (any thread may ask)."""
+        return len(self._flights)
+
+    def admit_samples(self, ops: list[Op]) -> list[Outcome]:
+        """Prefill sample ops and join them to the decode batch: → the outcomes of those
+        already over (refused, or needing no decode step come out of the next `decode`).
+        If the prefill fails and held several ops, each is tried alone."""
+        if not callable(getattr(self.engine, "decode_batch", None)):
+            return self.run_samples(ops)
+        if self._batch is None:
+            self._batch = self.engine.decode_batch()
+        holds = self._hold_weights(ops)
+        requests = []
+        for op, held in zip(ops, holds, strict=True):
+            req = op.payload.request
+            pin = next((h for h in held if h in self._pins), None)
+            requests.append(req if pin is None else dataclasses.replace(req, adapter=pin))
+        try:
+            handles = self._batch.add(requests, stream=[op.payload.stream for op in ops])
+        except Exception as e:
+            for held in holds:
+                self._release(held)
+            if len(ops) == 1:
+                return [_failure(ops[0], e)]
+            log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
+            return [o for op in ops for o in self.admit_samples([op])]
+        for op, h, held in zip(ops, handles, holds, strict=True):
+            self._flights[h] = _Flight(op, held)
+        return []
+
+    def decode(
+        self,
+        until: Callable[[], bool],
+        on_progress: Callable[[list[Progress]], None] | None = None,
+    ) -> list[Outcome]:
+        """Decode until `until()` says stop (asked after every step) or a sample op ends:
+        → the outcomes of the ops that ended. Streamed ops' tokens go to on_progress after
+        every step. A failed step fails every op in the batch."""
+        batch = self._batch
+        on_tokens = None
+        if on_progress is not None and any(f.op.payload.stream for f in self._flights.values()):
+
+            def on_tokens(tokens: list[tuple[int, int, int, int, float]]) -> None:
+                by_op: dict[str, list] = {}
+                for h, j, pos, tok, lp in tokens:
+                    by_op.setdefault(self._flights[h].op.request_id, []).append((j, pos, tok, lp))
+                on_progress([Progress(rid, toks) for rid, toks in by_op.items()])
+
+        try:
+            finished = batch.step(until=lambda: batch.has_results or until(), on_tokens=on_tokens)
+        except Exception as e:
+            log.exception("a decode step of %d sample ops failed", len(self._flights))
+            return [_failure(op, e) for op in self.abort_samples()]
+        outcomes = []
+        for h, result in finished:
+            flight = self._flights.pop(h)
+            self._release(flight.holds)
+            outcomes.append(_sample_outcome(flight.op, result).timed(flight.started_at))
+        return outcomes
+
+    def abort_samples(self) -> list[Op]:
+        """Forget every sample op in the decode batch (→ them), and the batch itself."""
+        flights, self._flights, self._batch = list(self._flights.values()), {}, None
+        for flight in flights:
+            self._release(flight.holds)
+        return [f.op for f in flights]
+
+    def _hold_weights(self, ops: list[Op]) -> list[list[str]]:
+        """Keep each op's weights as they are now until it ends: a sampler ref is held (not
+        freed while in use), a live training adapter copied (one pin per adapter for all
+        these ops). A key that is neither is left for the sampler to refuse."""
+        pins: dict[str, str] = {}
+        holds = []
+        for op in ops:
+            key = op.payload.request.adapter
+            if key is None:
+                holds.append([])
+                continue
+            if key not in pins and not self.is_live(key):
+                pin = f"pin:{next(self._pin_ids)}"
+                try:
+                    self.engine.snapshot(key, pin)
+                except NotFoundError:
+                    pin = None  # no live adapter by this name: maybe a snapshot, or nothing
+                else:
+                    self._pins.add(pin)
+                    pins[key] = pin
+            held = pins.get(key, key)
+            self._holds[held] += 1
+            holds.append([held])
+        return holds
+
+    def _release(self, held: list[str]) -> None:
+        for ref in held:
+            self._holds[ref] -= 1
+            if self._holds[ref] > 0:
+                continue
+            del self._holds[ref]
+            if ref in self._pins:
+                self._pins.discard(ref)
+                self._free(ref)
+            elif ref in self._drop_later:
+                self._drop_later.discard(ref)
+                self._free(ref)
 
     # ---- everything else: one op at a time, in its model's order ----
     def run_single(self, op: Op) -> Outcome | Deferred:
@@ -270,8 +403,14 @@ class OpExecutor:
         folder = self._persisted.pop(ref, None)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+        if self._holds.get(ref):  # a sample op still decodes with it: freed when it ends
+            self._drop_later.add(ref)
+            return
+        self._free(ref)
+
+    def _free(self, ref: str) -> None:
         try:
-            if ref.startswith("snap:"):
+            if ref.startswith(("snap:", "pin:")):
                 self.engine.drop_snapshot(ref)
             else:
                 self.engine.drop_adapter(ref)

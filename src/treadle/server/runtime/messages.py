@@ -32,6 +32,7 @@ from treadle.server.runtime.ops import (
     OptimResult,
     Outcome,
     Payload,
+    Progress,
     SaveResult,
     SequenceRecord,
     Usage,
@@ -42,13 +43,14 @@ _ARRAY = 1  # msgpack extension code of a numpy array
 
 
 class Kind(enum.StrEnum):
-    """Message kinds. Worker → API: HELLO, OUTCOMES, REPLY, REFS, SNAPSHOT, HEARTBEAT.
-    API → worker: WELCOME, OP, CALL, HEARTBEAT, REJOIN, SHUTDOWN."""
+    """Message kinds. Worker → API: HELLO, OUTCOMES, PROGRESS, REPLY, REFS, SNAPSHOT,
+    HEARTBEAT. API → worker: WELCOME, OP, CALL, HEARTBEAT, REJOIN, SHUTDOWN."""
 
     HELLO = "hello"  # a worker is up: its model and facts
     WELCOME = "welcome"  # the API took it: its epoch (a new epoch means "start afresh")
     OP = "op"
     OUTCOMES = "outcomes"
+    PROGRESS = "progress"  # tokens of streamed sample ops, as they are sampled
     CALL = "call"  # a control call (load a sampler, drop a ref, restore a model, ...)
     REPLY = "reply"  # its answer
     REFS = "refs"  # sampler weights the worker now holds / dropped
@@ -99,6 +101,11 @@ class Snapshotted:
     model_id: str
     seq_id: int  # the state on disk is that after this op
     dir: str
+
+
+@dataclass
+class ProgressMsg:
+    items: list[Progress]
 
 
 @dataclass

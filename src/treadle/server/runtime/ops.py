@@ -16,7 +16,7 @@ One op kind, one payload class:
 | save_sampler     | SaveSampler    | yes (written to disk at idle times)  |
 | snapshot         | Snapshot       | yes (a sampler served from memory)   |
 | skip             | Skip           | yes: a request refused at the edge holds its seq_id's place |
-| sample           | Sample         | no                                   |
+| sample           | Sample         | no (decoded a few tokens per round)  |
 | unload           | Unload         | no (a control call)                  |
 """
 
@@ -164,6 +164,7 @@ class Sample:
     request: SampleRequest
     prompt_logprobs_last_n: int | None = None
     record: RecordTo | None = None  # keep its sequences for provenance (core.sequences)
+    stream: bool = False  # report its tokens as they are sampled (Progress), for an SSE stream
 
 
 @dataclass
@@ -301,6 +302,17 @@ class SequenceRecord:
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
+
+
+@dataclass
+class Progress:
+    """Tokens a streamed sample op sampled since its last Progress (not an outcome: nothing
+    is recorded), each as (sample index, position, token id, logprob). An op run again (its
+    worker restarted) reports from position 0 again, with the same tokens when it has a seed.
+    """
+
+    request_id: str
+    tokens: list[tuple[int, int, int, float]]
 
 
 @dataclass

@@ -32,10 +32,16 @@ import zmq
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.server.runtime import messages
 from treadle.server.runtime.channel import TICK_S, Channel
-from treadle.server.runtime.engine_client import EngineClient, EngineFacts, OnOutcomes, OnSnapshot
+from treadle.server.runtime.engine_client import (
+    EngineClient,
+    EngineFacts,
+    OnOutcomes,
+    OnProgress,
+    OnSnapshot,
+)
 from treadle.server.runtime.executor import StateSnapshot
 from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Op, OpKind, Outcome
+from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress
 
 log = logging.getLogger("treadle.remote")
 
@@ -82,9 +88,11 @@ class RemoteEngine(EngineClient):
         loop: asyncio.AbstractEventLoop,
         give_up_after_s: float = 120.0,
         replica: int = 0,
+        on_progress: OnProgress | None = None,
     ):
         self.facts = EngineFacts(name, vocab_size=0, max_seq_len=0, max_lora_rank=0)
         self.replica = replica
+        self._on_progress = on_progress
         self.hub = hub
         self._on_outcomes = on_outcomes
         self._on_snapshot = on_snapshot
@@ -261,6 +269,8 @@ class RemoteEngine(EngineClient):
     def handle(self, kind: Kind, body: bytes) -> None:
         if kind == Kind.OUTCOMES:
             self._got_outcomes(*messages.decode_outcomes(body))
+        elif kind == Kind.PROGRESS:
+            self._got_progress(messages.decode(body, messages.ProgressMsg).items)
         elif kind == Kind.REPLY:
             reply = messages.decode(body, messages.Reply)
             with self._lock:
@@ -334,6 +344,15 @@ class RemoteEngine(EngineClient):
                     heard.append(o)
         if heard:
             self._on_outcomes(heard)
+
+    def _got_progress(self, items: list[Progress]) -> None:
+        """Tokens of streamed ops still in flight (none of replays, nor of ops given up)."""
+        if self._on_progress is None:
+            return
+        with self._lock:
+            heard = [p for p in items if (op := self._sent.get(p.request_id)) and not op.replay]
+        if heard:
+            self._on_progress(heard)
 
     def _outcomes_later(self, outcomes: list[Outcome]) -> None:
         # never from under our lock: the callback takes the journal's

@@ -1,8 +1,9 @@
 """The scheduling rule: which queued ops run in the next round, grouped into engine calls,
-and the rules for ops parked behind a gap in their model's seq_ids.
+when decoding gives way to them, and the rules for ops parked behind a gap in their
+model's seq_ids.
 
-Functions of the queues (`plan_round`, `enqueue`, `expire_parked`), tested alone; the
-engine loop (treadle.server.runtime.engine_loop) calls them under its lock.
+Functions of the queues (`plan_round`, `yield_decode`, `enqueue`, `expire_parked`), tested
+alone; the engine loop (treadle.server.runtime.engine_loop) calls them under its lock.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def expire_parked(model_id: str, queue: ModelQueue, now: float, timeout_s: float
 @dataclass
 class Step:
     """One engine call: a mixed-session train batch (each model's ops consecutive, in seq_id
-    order), one single op, or a sample batch."""
+    order), one single op, or sample ops joining the decode batch."""
 
     kind: Literal["train", "single", "sample"]
     ops: list[Op]
@@ -171,8 +172,9 @@ def plan_round(
     as one engine call, and since the weights cannot change between them, each gets exactly
     what it would have got alone (gradients add up the same, up to float rounding).
     Forward_backward runs of all models share ONE engine call, as do forward runs (the
-    engine takes forward_only per call); all pending samples (up to max_sample_batch, oldest
-    first) share one engine.sample call. Within a round: singles, then train, then sample.
+    engine takes forward_only per call); pending samples (up to max_sample_batch, the room
+    the decode batch has left, oldest first) join the decode batch in one prefill. Within a
+    round: singles, then train, then sample; then the loop decodes until `yield_decode`.
     """
     singles: list[Step] = []
     train: dict[bool, list[list[Op]]] = {False: [], True: []}
@@ -189,11 +191,26 @@ def plan_round(
         if train[forward_only]:
             runs = sorted(train[forward_only], key=lambda run: run[0].enqueued_at)
             steps.append(Step("train", [op for run in runs for op in run], forward_only))
-    if samples:
+    if samples and max_sample_batch > 0:
         steps.append(
             Step("sample", sorted(samples, key=lambda op: op.enqueued_at)[:max_sample_batch])
         )
     return steps
+
+
+def yield_decode(queues: dict[str, ModelQueue], samples: list[Op], room: int) -> bool:
+    """The decode rule: whether the decode batch must stop after this decode step.
+
+    Invariant: no op that can run waits behind decoding for more than one decode step. The
+    batch gives way as soon as some model's head has arrived (its next seq_id: a train or a
+    single op), or a sample op waits while the batch has room for it (it joins in the next
+    round: continuous batching). Ops parked behind a gap do not interrupt decoding, and a
+    round always decodes at least one step, so a stream of training ops slows a generation
+    down but never stops it.
+    """
+    if samples and room > 0:
+        return True
+    return any(q.next_seq in q.pending for q in queues.values())
 
 
 def _train_run(queue: ModelQueue, head: Op, max_tokens: int) -> list[Op]:

@@ -1,6 +1,7 @@
-"""The two completion calls, from request to result: resolve `model`, render the prompt,
-sample as asample does, decode, cut stop strings, parse tool calls, and shape the
-(non-streamed) OpenAI response. stream.py shapes the same result as server-sent events.
+"""The two completion calls, from request to result: resolve `model`, render the prompt
+(`prepare_chat`, `prepare_completion`), sample as asample does (`run`), decode, cut stop
+strings, parse tool calls, and shape the (non-streamed) OpenAI response. stream.py shapes
+the same result as server-sent events; live.py streams tokens as they are sampled.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from treadle.server.api.openai.render import (
     legacy_logprobs,
     render_chat,
 )
-from treadle.server.api.openai.resolve import resolve
+from treadle.server.api.openai.resolve import Target, resolve
 from treadle.server.api.openai.sampling import Sampled, check_room, sample
 from treadle.server.api.openai.schemas import (
     ChatCompletionRequest,
@@ -71,43 +72,79 @@ class Result:
         }
 
 
-async def run_chat(
+@dataclass
+class Prepared:
+    """A request checked, its `model` resolved and its prompts rendered: ready to sample
+    (whole, `run`; or streamed, treadle.server.api.openai.live)."""
+
+    id: str
+    created: int
+    model: str
+    spec: Sampling
+    target: Target
+    tok: Any
+    prompts_P: list[list[int]]
+    max_tokens_P: list[int]
+    parse_tools: bool = False
+    return_token_ids: bool = False
+
+    def choices(self, p: int, sampled: list[Sampled]) -> list[Choice]:
+        """Prompt p's choices (numbered prompt-major: p * n + j), decoded, stop strings cut
+        and tool calls parsed."""
+        out = []
+        for j, s in enumerate(sampled):
+            decoded = decode_output(self.tok, s.tokens_T, self.spec.stop, s.stop_reason)
+            text = decoded.text
+            parsed = parse_tool_calls(text) if self.parse_tools else ParsedOutput(text)
+            out.append(Choice(p * self.spec.n + j, s, decoded, parsed))
+        return out
+
+    def result(self, sampled_P: list[list[Sampled]]) -> Result:
+        choices = [c for p, sampled in enumerate(sampled_P) for c in self.choices(p, sampled)]
+        return Result(
+            self.id,
+            self.created,
+            self.model,
+            self.spec,
+            self.prompts_P,
+            choices,
+            TokenText(self.tok),
+            self.return_token_ids,
+        )
+
+
+async def prepare_chat(
     serving: OpenAIServing,
     tenant: Tenant,
     body: ChatCompletionRequest,
     key: bytes | None = None,
-) -> Result:
+) -> Prepared:
     spec = check_chat(body)
     state = serving.state
     target = await resolve(state, serving.checkpoints, tenant.tenant_id, body.model, key=key)
     tok = await serving.tokenizers.get(target.base_model)
     prompt_T = render_chat(tok, body.model, body.messages, body.tools)
     max_tokens = check_room(state, target, prompt_T, spec, "messages")
-    sampled = await sample(state, tenant, target, prompt_T, spec, max_tokens)
-    parse = bool(body.tools) and body.tool_choice != "none"
-    choices = []
-    for i, s in enumerate(sampled):
-        decoded = decode_output(tok, s.tokens_T, spec.stop, s.stop_reason)
-        parsed = parse_tool_calls(decoded.text) if parse else ParsedOutput(decoded.text)
-        choices.append(Choice(i, s, decoded, parsed))
-    return Result(
+    return Prepared(
         f"chatcmpl-{new_id()}",
         int(time.time()),
         body.model,
         spec,
+        target,
+        tok,
         [prompt_T],
-        choices,
-        TokenText(tok),
-        bool(body.return_token_ids),
+        [max_tokens],
+        parse_tools=bool(body.tools) and body.tool_choice != "none",
+        return_token_ids=bool(body.return_token_ids),
     )
 
 
-async def run_completion(
+async def prepare_completion(
     serving: OpenAIServing,
     tenant: Tenant,
     body: CompletionRequest,
     key: bytes | None = None,
-) -> Result:
+) -> Prepared:
     spec = check_completion(body)
     prompts = prompts_of(body)
     state = serving.state
@@ -116,24 +153,28 @@ async def run_completion(
     fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
     prompts_P = [encode_prompt(tok, p, f) for p, f in zip(prompts, fields, strict=True)]
     rooms = [check_room(state, target, p, spec, f) for p, f in zip(prompts_P, fields, strict=True)]
-    per_prompt = await asyncio.gather(
-        *(sample(state, tenant, target, p, spec, m) for p, m in zip(prompts_P, rooms, strict=True))
-    )
-    choices = []
-    for sampled in per_prompt:
-        for s in sampled:
-            decoded = decode_output(tok, s.tokens_T, spec.stop, s.stop_reason)
-            choices.append(Choice(len(choices), s, decoded, ParsedOutput(decoded.text)))
-    return Result(
+    return Prepared(
         f"cmpl-{new_id()}",
         int(time.time()),
         body.model,
         spec,
+        target,
+        tok,
         prompts_P,
-        choices,
-        TokenText(tok),
-        bool(body.return_token_ids),
+        rooms,
+        return_token_ids=bool(body.return_token_ids),
     )
+
+
+async def run(serving: OpenAIServing, tenant: Tenant, prep: Prepared) -> Result:
+    """Sample every prompt to the end (in parallel) and shape the result."""
+    per_prompt = await asyncio.gather(
+        *(
+            sample(serving.state, tenant, prep.target, p, prep.spec, m)
+            for p, m in zip(prep.prompts_P, prep.max_tokens_P, strict=True)
+        )
+    )
+    return prep.result(list(per_prompt))
 
 
 def chat_response(r: Result) -> dict[str, Any]:

@@ -166,6 +166,56 @@ def _pieces(tok: Any, tokens_T: list[int]) -> list[str]:
     return pieces
 
 
+class LiveText:
+    """One choice's text while its tokens arrive: `push` returns the text that is final
+    now. A character split across tokens waits for its last byte (as `_pieces` does), and
+    text that may be the start of a stop string waits until it cannot be (OpenAI leaves the
+    stop string out), so everything sent is a prefix of what `decode_output` makes of the
+    whole answer; `finish` sends the rest of that.
+    """
+
+    def __init__(self, tok: Any, stop: list[str]):
+        self.tok, self.stop = tok, stop
+        self.tokens: list[int] = []
+        self.text = ""  # the pieces of the tokens so far, joined
+        self.sent = 0  # how much of it went out
+        self._start = 0  # first token whose text is not out yet
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        i, s = len(self.tokens) - 1, max(0, self._start - 4)
+        before = self.tok.decode(self.tokens[s : self._start], skip_special_tokens=True)
+        now = self.tok.decode(self.tokens[s : i + 1], skip_special_tokens=True)
+        if not now.endswith("\ufffd"):
+            self.text += now[len(before) :] if now.startswith(before) else now
+            self._start = i + 1
+        end = self._final_end()
+        out = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def _final_end(self) -> int:
+        """How much of the text no stop string can cut any more: up to the first stop
+        string in it, and short of a tail that a stop string may start with."""
+        end = len(self.text)
+        for stop in self.stop:
+            found = self.text.find(stop)
+            if found >= 0:
+                end = min(end, found)
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    end = min(end, len(self.text) - k)
+                    break
+        return end
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the whole answer's text (empty if what went out is not its start,
+        which a run again of a request without a seed could cause)."""
+        sent = self.text[: self.sent]
+        self.sent = len(final_text)
+        return final_text[len(sent) :] if final_text.startswith(sent) else ""
+
+
 @cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted (what ByteLevel BPE tokens are spelled in)."""

@@ -18,9 +18,11 @@ from treadle.server.api.deps import KeyDep, TenantDep
 from treadle.server.api.openai.completions import (
     chat_response,
     completion_response,
-    run_chat,
-    run_completion,
+    prepare_chat,
+    prepare_completion,
+    run,
 )
+from treadle.server.api.openai.live import live_response, streams_live
 from treadle.server.api.openai.resolve import list_models, model_entry, resolve
 from treadle.server.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from treadle.server.api.openai.serving import OpenAIServing
@@ -52,7 +54,10 @@ async def model(model: str, serving: ServingDep, tenant: TenantDep) -> dict:
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, key: KeyDep
 ) -> Response:
-    result = await run_chat(serving, tenant, body, key)
+    prep = await prepare_chat(serving, tenant, body, key)
+    if body.stream and streams_live(prep, chat=True):
+        return await live_response(serving.state, tenant, prep, chat=True)
+    result = await run(serving, tenant, prep)
     if body.stream:
         return streaming_response(chat_chunks(result))
     return JSONResponse(chat_response(result))
@@ -62,7 +67,10 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, serving: ServingDep, tenant: TenantDep, key: KeyDep
 ) -> Response:
-    result = await run_completion(serving, tenant, body, key)
+    prep = await prepare_completion(serving, tenant, body, key)
+    if body.stream and streams_live(prep, chat=False):
+        return await live_response(serving.state, tenant, prep, chat=False)
+    result = await run(serving, tenant, prep)
     if body.stream:
         return streaming_response(completion_chunks(result))
     return JSONResponse(completion_response(result))

@@ -16,6 +16,7 @@ raw-distribution logprobs the sampler reports, so the two agree).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 
 from treadle.engine.types import SampleRequest as EngineSampleRequest
@@ -66,6 +67,37 @@ def check_room(
     return spec.max_tokens
 
 
+def engine_request(
+    state: ServerState,
+    target: Target,
+    prompt_T: list[int],
+    spec: Sampling,
+    max_tokens: int,
+    seed: int | None,
+) -> EngineSampleRequest:
+    """The engine's request for `spec.n` continuations of one prompt, checked by the same
+    validator as asample's."""
+    facts = state.engines.facts(target.base_model)
+    body = SampleRequest(
+        num_samples=spec.n,
+        prompt=ModelInput.from_ints(prompt_T),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens,
+            seed=seed,
+            stop=spec.stop or None,
+            temperature=spec.temperature,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+        ),
+        sampling_session_id=target.sampling_session_id,
+    )
+    return validation.sample_request(body, target.adapter, facts, None, state.config.limits)
+
+
+def sampled_of(result: SampleResult) -> list[Sampled]:
+    return [Sampled(s.tokens, list(s.logprobs or []), s.stop_reason) for s in result.sequences]
+
+
 async def sample(
     state: ServerState,
     tenant: Tenant,
@@ -75,23 +107,8 @@ async def sample(
     max_tokens: int,
 ) -> list[Sampled]:
     """`spec.n` continuations of one prompt (and their top-K logprobs if asked)."""
-    facts = state.engines.facts(target.base_model)
-    body = SampleRequest(
-        num_samples=spec.n,
-        prompt=ModelInput.from_ints(prompt_T),
-        sampling_params=SamplingParams(
-            max_tokens=max_tokens,
-            seed=spec.seed,
-            stop=spec.stop or None,
-            temperature=spec.temperature,
-            top_k=spec.top_k,
-            top_p=spec.top_p,
-        ),
-        sampling_session_id=target.sampling_session_id,
-    )
-    request = validation.sample_request(body, target.adapter, facts, None, state.config.limits)
-    result = await _run(state, tenant, target, request)
-    out = [Sampled(s.tokens, list(s.logprobs or []), s.stop_reason) for s in result.sequences]
+    request = engine_request(state, target, prompt_T, spec, max_tokens, spec.seed)
+    out = sampled_of(await _run(state, tenant, target, request))
     if spec.top_logprobs > 0:
         tops = await asyncio.gather(
             *(_top_k(state, tenant, target, prompt_T, s.tokens_T, spec.top_logprobs) for s in out)
@@ -99,6 +116,23 @@ async def sample(
         for s, top in zip(out, tops, strict=True):
             s.top_TK = top
     return out
+
+
+async def file_streamed(
+    state: ServerState,
+    tenant: Tenant,
+    target: Target,
+    prompt_T: list[int],
+    spec: Sampling,
+    max_tokens: int,
+) -> str:
+    """File a sample op that reports its tokens as they come (Futures.updates): → its
+    request_id. Without a seed it gets one here, kept in its op log entry, so that a run
+    again (its worker restarted) samples the same tokens and a stream that already sent
+    some of them carries on without repeating or contradicting itself."""
+    seed = spec.seed if spec.seed is not None else secrets.randbits(63)
+    request = engine_request(state, target, prompt_T, spec, max_tokens, seed)
+    return await _file(state, tenant, target, Sample(request, stream=True))
 
 
 async def _top_k(
@@ -126,14 +160,22 @@ async def _top_k(
 async def _run(
     state: ServerState, tenant: Tenant, target: Target, request: EngineSampleRequest
 ) -> SampleResult:
-    rid = await state.futures.file(
+    return await result_of(state, await _file(state, tenant, target, Sample(request)))
+
+
+async def _file(state: ServerState, tenant: Tenant, target: Target, payload: Sample) -> str:
+    return await state.futures.file(
         state.engines.require(target.base_model),
         OpKind.SAMPLE,
-        Sample(request),
+        payload,
         tenant=tenant,
         session_id=target.session_id,
         sampling_session_id=target.sampling_session_id,
     )
-    result = await state.futures.result(rid)
+
+
+async def result_of(state: ServerState, request_id: str) -> SampleResult:
+    """A sample future's result (its error raised as its own class)."""
+    result = await state.futures.result(request_id)
     assert isinstance(result, SampleResult)
     return result

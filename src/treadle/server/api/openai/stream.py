@@ -1,10 +1,12 @@
-"""Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+"""Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`: the framing, and
+the replay of a whole result.
 
-The engine hands back whole sequences, so a result is complete before its first chunk is
-sent: the chunks replay it one token at a time (a role chunk, one content delta per token
-with its logprobs, a finish chunk per choice, then the usage chunk when
-stream_options.include_usage asks for it). Errors therefore come as ordinary JSON error
-responses, never in the middle of a stream.
+Most streams go out token by token as they are sampled (treadle.server.api.openai.live).
+Answers whose chunks need the whole answer (top_logprobs, tool calls, legacy completion
+logprobs) are sampled whole, then replayed here one token at a time: a role chunk, one
+content delta per token with its logprobs, a finish chunk per choice, then the usage chunk
+when stream_options.include_usage asks for it. Their errors therefore come as ordinary JSON
+error responses, never in the middle of a stream.
 """
 
 from __future__ import annotations
@@ -15,32 +17,35 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from treadle.server.api.openai.completions import Result
+from treadle.server.api.openai.completions import Prepared, Result
 from treadle.server.api.openai.render import chat_logprobs, legacy_logprobs
 
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "[DONE]"
 
-def _sse(obj: dict[str, Any] | str) -> str:
+
+def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 def streaming_response(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
     # Made here, on the event loop: the response iterates its body on a worker thread,
     # where the shared tokenizer must not be used.
-    events = [_sse(chunk) for chunk in chunks] + [_sse("[DONE]")]
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+    events = [sse(chunk) for chunk in chunks] + [sse(DONE)]
+    return StreamingResponse(iter(events), media_type="text/event-stream", headers=HEADERS)
 
 
-def _frame(r: Result, obj: str) -> dict[str, Any]:
-    frame = {"id": r.id, "object": obj, "created": r.created, "model": r.model}
-    frame["system_fingerprint"] = None  # the field OpenAI's chunks always carry
+def frame(r: Result | Prepared, obj: str) -> dict[str, Any]:
+    """What every chunk of a response carries (r: the result, or the prepared request)."""
+    out = {"id": r.id, "object": obj, "created": r.created, "model": r.model}
+    out["system_fingerprint"] = None  # the field OpenAI's chunks always carry
     if r.spec.include_usage:
-        frame["usage"] = None
-    return frame
+        out["usage"] = None
+    return out
 
 
-def _usage_chunk(r: Result, obj: str) -> dict[str, Any]:
-    return {**_frame(r, obj), "choices": [], "usage": r.usage}
+def usage_chunk(r: Result, obj: str) -> dict[str, Any]:
+    return {**frame(r, obj), "choices": [], "usage": r.usage}
 
 
 def chat_chunks(r: Result) -> Iterator[dict[str, Any]]:
@@ -48,7 +53,7 @@ def chat_chunks(r: Result) -> Iterator[dict[str, Any]]:
 
     def chunk(index: int, delta: dict, logprobs: Any = None, finish: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**_frame(r, obj), "choices": [choice]}
+        return {**frame(r, obj), "choices": [choice]}
 
     for c in r.choices:
         s = c.sampled
@@ -68,7 +73,7 @@ def chat_chunks(r: Result) -> Iterator[dict[str, Any]]:
                     yield chunk(c.index, {"content": piece}, lp)
         yield chunk(c.index, {}, None, c.finish_reason)
     if r.spec.include_usage:
-        yield _usage_chunk(r, obj)
+        yield usage_chunk(r, obj)
 
 
 def completion_chunks(r: Result) -> Iterator[dict[str, Any]]:
@@ -87,8 +92,8 @@ def completion_chunks(r: Result) -> Iterator[dict[str, Any]]:
                 )
             offset += len(piece)
             choice = {"index": c.index, "text": piece, "logprobs": logprobs, "finish_reason": None}
-            yield {**_frame(r, obj), "choices": [choice]}
+            yield {**frame(r, obj), "choices": [choice]}
         last = {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
-        yield {**_frame(r, obj), "choices": [last]}
+        yield {**frame(r, obj), "choices": [last]}
     if r.spec.include_usage:
-        yield _usage_chunk(r, obj)
+        yield usage_chunk(r, obj)

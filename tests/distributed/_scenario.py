@@ -125,6 +125,34 @@ def run(engine: Any, bank: Any) -> dict[str, Any]:
     return out
 
 
+def failures(engine: Any) -> dict[str, Any]:
+    """Rank 0, after the scenario: a refused request and a failure on rank 1 only; both
+    fail the call on every rank and leave the group serving."""
+    from treadle.engine.distributed import GroupFailure
+    from treadle.errors import InvalidRequestError
+
+    seen: dict[str, Any] = {}
+    bad = mixed_batch(7)
+    bad[0].data[0].tokens[0] = 10**6  # outside the vocabulary
+    try:
+        engine.forward_backward(bad)
+    except InvalidRequestError as e:
+        seen["refused"] = str(e)
+    cut = TrainBatch("s2", [_datum(np.random.default_rng(8), T) for T in (5, 30, 30, 30, 30, 30)])
+    try:  # rank 1 takes the last rows: 3 of them, which fail there
+        engine.forward_backward([cut])
+    except GroupFailure as e:
+        seen["failed"] = str(e)
+    before = engine.forward_backward(mixed_batch(9), forward_only=True)
+    again = engine.forward_backward(mixed_batch(9), forward_only=True)
+    seen["still_serving"] = all(
+        np.array_equal(a["logprobs"], b["logprobs"])
+        for x, y in zip(before, again, strict=True)
+        for a, b in zip(x.outputs, y.outputs, strict=True)
+    )
+    return seen
+
+
 def rank_main(rank: int, world: int, port: int, model_dir: str, shard: str, out: str) -> None:
     """One rank of a spawned gloo group: rank 0 runs the scenario, the others follow."""
     os.environ.update(
@@ -140,9 +168,21 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, shard: str, out:
     shards = [
         p.to_local() if hasattr(p, "to_local") else p for p in engine.engine.model.parameters()
     ]
+    if rank == 1:  # one rank fails inside a call: the call fails everywhere, the group lives
+        from treadle.engine import dist_train
+
+        real = dist_train._batch_loss
+
+        def batch_loss(logits, batch, lengths):
+            if batch.adapter_id == "s2" and len(batch.data) == 3:
+                raise RuntimeError("rank 1 ran out of memory")
+            return real(logits, batch, lengths)
+
+        dist_train._batch_loss = batch_loss
     if group.leader:
         result = run(engine, engine.engine.bank)
         result["base_numel"] = sum(p.numel() for p in shards)
+        result["after_failures"] = failures(engine)
         engine.release()
     else:
         engine.follow()

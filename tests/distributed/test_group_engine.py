@@ -87,6 +87,11 @@ def test_two_ranks_equal_one_process(reference, tiny_model_dir, tmp_path, shard)
             _close(prompt[1:], ref_prompt[1:])
     assert got["snap"] == reference["snap"]
 
+    after = got["after_failures"]
+    assert "outside the vocabulary" in after["refused"]
+    assert after["failed"] == "rank 1 ran out of memory"
+    assert after["still_serving"]
+
     full = sum(p.numel() for p in scenario_base(tiny_model_dir).parameters())
     if shard == "fsdp":  # each rank holds about half of the base
         assert got["base_numel"] < 0.6 * full

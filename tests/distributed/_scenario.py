@@ -85,8 +85,9 @@ def weights(bank: Any, adapter_id: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in bank.live(adapter_id).parameters()]
 
 
-def run(engine: Any, bank: Any) -> dict[str, Any]:
-    """The calls; `bank` is the AdapterBank of the engine (rank 0's own, in a group)."""
+def run(engine: Any, bank: Any, files: Path) -> dict[str, Any]:
+    """The calls; `bank` is the AdapterBank of the engine (rank 0's own, in a group);
+    checkpoints go under `files`."""
     for k, s in enumerate(SESSIONS):
         engine.create_adapter(s, LoraSpec(rank=4 + 2 * k, alpha=16, seed=k))
     out: dict[str, Any] = {"fb": [], "samples": []}
@@ -122,6 +123,14 @@ def run(engine: Any, bank: Any) -> dict[str, Any]:
         [SampleRequest([1, 2, 3], params=SampleSpec(max_tokens=5, seed=7), adapter="snap:s1")]
     )
     out["snap"] = snap[0].sequences[0].tokens
+    # a state saved by rank 0, loaded back (the other ranks get its bytes), and a merged export
+    engine.save_state("s1", files / "state-s1")
+    engine.load_state("copy", files / "state-s1")
+    (copy,) = engine.forward_backward(
+        [TrainBatch("copy", mixed_batch(5)[1].data, "importance_sampling")]
+    )
+    out["copy"] = [o["logprobs"] for o in copy.outputs]
+    engine.save_merged("s0", files / "merged-s0")
     return out
 
 
@@ -180,12 +189,12 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, shard: str, out:
 
         dist_train._batch_loss = batch_loss
     if group.leader:
-        result = run(engine, engine.engine.bank)
+        result = run(engine, engine.engine.bank, Path(out))
         result["base_numel"] = sum(p.numel() for p in shards)
         result["after_failures"] = failures(engine)
         engine.release()
     else:
         engine.follow()
-        result = {"adapters": {s: weights(engine.engine.bank, s) for s in SESSIONS}}
+        result = {"adapters": {s: weights(engine.engine.bank, s) for s in (*SESSIONS, "copy")}}
     torch.save(result, Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()

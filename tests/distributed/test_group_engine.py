@@ -27,12 +27,13 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> dict:
+def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from treadle.engine import Engine
 
     torch.set_num_threads(1)
     engine = Engine(tiny_model_dir)
-    return scenario.run(engine, engine.bank)
+    files = tmp_path_factory.mktemp("one-process")
+    return scenario.run(engine, engine.bank, files) | {"files": files}
 
 
 def _free_port() -> int:
@@ -86,6 +87,18 @@ def test_two_ranks_equal_one_process(reference, tiny_model_dir, tmp_path, shard)
         if prompt is not None:
             _close(prompt[1:], ref_prompt[1:])
     assert got["snap"] == reference["snap"]
+
+    for a, b in zip(reference["copy"], got["copy"], strict=True):
+        _close(a, b)
+    for a, b in zip(got["adapters"]["s1"], other["adapters"]["copy"], strict=True):
+        assert torch.equal(a, b)  # rank 1 loaded the bytes rank 0 saved
+    from safetensors.torch import load_file
+
+    merged = load_file(tmp_path / "merged-s0" / "model.safetensors")
+    ref_merged = load_file(reference["files"] / "merged-s0" / "model.safetensors")
+    assert merged.keys() == ref_merged.keys()
+    for key in merged:  # under FSDP too: the whole weights, merged
+        _close(merged[key], ref_merged[key])
 
     after = got["after_failures"]
     assert "outside the vocabulary" in after["refused"]

@@ -187,3 +187,49 @@ def test_sigterm_drains_an_fsdp_group(tiny_model_dir, tmp_path):
         svc.close()
     finally:
         server.stop()
+
+
+def test_a_group_started_elsewhere_joins_the_server(tiny_model_dir, tmp_path):
+    """The several-machines shape on one machine: the server waits for workers
+    (--start-workers false); `treadle worker --devices 2` (torchrun under the hood) connects
+    with the token, serves training and sampling, and drains on SIGTERM."""
+    import subprocess
+    import sys
+
+    from treadle import SamplingParams
+    from treadle.launch import free_port
+
+    data_dir, address = tmp_path / "data", f"tcp://127.0.0.1:{free_port()}"
+    shared = {"worker_address": address, "worker_token": "s3cret"}
+    data_dir.mkdir()
+    worker = subprocess.Popen(  # first: the server is healthy once its models' workers are in
+        [sys.executable, "-m", "treadle.cli", "worker", "--model", f"{TINY}={tiny_model_dir}"]
+        + ["--connect", address, "--data-dir", str(data_dir), "--devices", "2"],
+        env={**os.environ, "TREADLE_WORKER_TOKEN": "s3cret"},
+        stdout=open(tmp_path / "worker.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    server = ServerProcess(
+        {TINY: tiny_model_dir}, data_dir, config={**shared, "start_workers": False}
+    )
+    try:
+        server.start()
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4, seed=3)
+        fb = tc.forward_backward([_datum(x, y) for x, y in data(0)], "cross_entropy").result()
+        assert np.isfinite(fb.metrics["loss:sum"])
+        tc.optim_step(AdamParams(learning_rate=LR)).result()
+        sc = tc.save_weights_and_get_sampling_client("w")
+        params = SamplingParams(max_tokens=4, seed=1)
+        out = sc.sample(ModelInput.from_ints([1, 2, 3]), 3, params).result()
+        assert [len(s.tokens) for s in out.sequences] == [4, 4, 4]
+        svc.close()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(90)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        server.stop()
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert "rank 1 of 2" in log and "(gloo, data parallel)" in log
+    assert "the worker group is broken" not in log

@@ -111,7 +111,8 @@ def init_group(device: str = "cpu", shard: str = "none", timeout_s: float = 600.
 
 
 class GroupBroken(RuntimeError):
-    """The group cannot act as one engine any more (only ever raised to on_broken)."""
+    """The group cannot act as one engine any more: raised once on_broken returns (it
+    ends the process unless a test gave its own)."""
 
 
 class DistributedEngine:

@@ -2,6 +2,7 @@
 
 treadle serve --model treadle/tiny-llama=.models/tiny-llama --port 8000
 treadle worker --model treadle/tiny-llama=.models/tiny-llama --connect tcp://host:5555
+treadle worker --model m=/models/m --connect tcp://host:5555 --device cuda --devices 4 --shard fsdp
 treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
 treadle hf-cache --model treadle/tiny-llama=.models/tiny-llama
 treadle demo
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +43,12 @@ def _worker(args: argparse.Namespace) -> None:
     if len(models) != 1:
         sys.exit("treadle worker: give exactly one --model NAME=PATH")
     config = ServerConfig(**{**settings, **flag_values(args), "models": models})
+    if config.devices > 1 and "WORLD_SIZE" not in os.environ:
+        # `treadle worker --devices N`: this same command as N torchrun ranks on this machine
+        from treadle.server.runtime.supervisor import group_args
+
+        torchrun = [sys.executable, "-m", "torch.distributed.run", *group_args(config.devices)]
+        os.execv(sys.executable, [*torchrun, "-m", "treadle.cli", *args.argv])
     configure_process(config)
     run_worker(config, args.connect, replica=args.replica)
 
@@ -148,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     args.func(args)
 
 

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from treadle.server.tenancy.quotas import Quotas
 
@@ -88,7 +88,15 @@ class ServerConfig(BaseModel):
     dtype: str = "float32"
     """Base model weights dtype: float32 or bfloat16."""
     device: str = "cpu"
-    """Where the engines run: cpu, cuda, cuda:1, ..."""
+    """Where the engines run: cpu, cuda, cuda:1, ... (a worker group's rank r on a machine
+    uses cuda:LOCAL_RANK)."""
+    devices: int = 1
+    """Ranks of each served model's worker group on this machine: N > 1 starts the worker
+    under `torchrun --nproc-per-node N` (NCCL over N GPUs, or gloo over N CPU processes):
+    the rows of each call are split across the ranks, gradients summed."""
+    shard: str = "none"
+    """How a worker group holds the frozen base: none (a whole copy per rank) or fsdp
+    (FSDP2 fully_shard: each rank keeps 1/N, for a model larger than one device)."""
     heartbeat_timeout_s: float = 120.0
     """A session silent this long (the SDK beats every 10 s) is ended and its adapters freed."""
     long_poll_s: float = 30.0
@@ -155,6 +163,29 @@ class ServerConfig(BaseModel):
             raise ValueError("models: serve at least one model (NAME=PATH)")
         return v
 
+    @field_validator("devices")
+    @classmethod
+    def _some_devices(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"devices must be >= 1, got {v}")
+        return v
+
+    @field_validator("shard")
+    @classmethod
+    def _known_shard(cls, v: str) -> str:
+        if v not in ("none", "fsdp"):
+            raise ValueError(f"shard must be none or fsdp, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _groups_are_processes(self) -> ServerConfig:
+        if self.devices > 1 and not self.engine_processes:
+            raise ValueError(
+                f"devices {self.devices} needs engine_processes true (a worker group is "
+                "torchrun processes), got engine_processes false"
+            )
+        return self
+
     @field_validator("heartbeat_timeout_s", "long_poll_s", "parked_op_timeout_s")
     @classmethod
     def _positive(cls, v: float) -> float:
@@ -178,7 +209,11 @@ class ServerConfig(BaseModel):
 
 # Flags kept from before they were generated; the generated `--db-url` works too.
 FLAG_ALIASES = {"db_url": ["--db"]}
-CHOICES = {"dtype": ["float32", "bfloat16"], "log_level": ["debug", "info", "warning", "error"]}
+CHOICES = {
+    "dtype": ["float32", "bfloat16"],
+    "log_level": ["debug", "info", "warning", "error"],
+    "shard": ["none", "fsdp"],
+}
 
 
 def serve_flags(parser: argparse.ArgumentParser) -> None:

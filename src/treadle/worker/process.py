@@ -1,6 +1,7 @@
 """An engine worker process: the Engine, its loop and executor, and a socket to the API.
 
     treadle worker --model treadle/tiny-llama=.models/tiny-llama --connect tcp://127.0.0.1:5555
+    torchrun --nproc-per-node 2 -m treadle.cli worker --model ... --connect ...   # a group
 
 The worker loads its model, connects to the API's hub (treadle.server.runtime.remote) and
 says HELLO with the hub's token (TREADLE_WORKER_TOKEN). It then runs the ops it is sent
@@ -55,14 +56,18 @@ class Worker:
         address: str,
         token: str,
         replica: int = -1,
+        engine: Any = None,
     ):
+        """`engine`: what the executor calls (default: an Engine of the config's model); a
+        worker group's rank 0 passes its DistributedEngine (treadle.worker.group)."""
         from treadle.server.app import default_engine_factory, park_limits
 
         self.config = config
         self.token = token
         self.replica = replica
         self.worker_id = uuid.uuid4().hex[:12]
-        engine = default_engine_factory(name, path, config)
+        if engine is None:
+            engine = default_engine_factory(name, path, config)
         self.store = Store(config.resolved_db_url)
         self.journal = Journal(self.store.engine)
         writer = CheckpointWriter(engine, self.store, self.journal, config.artifacts_dir)
@@ -185,7 +190,8 @@ class Worker:
 
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
-        device = str(getattr(self.loop.executor.engine, "device", "cpu"))
+        engine = self.loop.executor.engine
+        device = getattr(engine, "placement", None) or str(getattr(engine, "device", "cpu"))
         hello = messages.Hello(
             self.worker_id, self.facts, self.token, self.replica, pid=os.getpid(), device=device
         )
@@ -212,11 +218,19 @@ class Worker:
 def run_worker(
     config: ServerConfig, address: str, token: str | None = None, replica: int = -1
 ) -> None:
-    """`treadle worker`: serve the config's one model until SIGTERM (then drain) or SIGKILL."""
+    """`treadle worker`: serve the config's one model until SIGTERM (then drain) or SIGKILL.
+
+    Under torchrun with several processes, this process is one rank of a worker group
+    (treadle.worker.group)."""
+    from treadle.worker.group import in_group, run_group
+
     (name, path), *more = config.models.items()
     if more:
         raise SystemExit("treadle worker: serves exactly one --model NAME=PATH")
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+    if in_group():
+        run_group(config, address, token, replica)
+        return
     worker = Worker(config, name, path, address, token, replica)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
     worker.run()

@@ -4,6 +4,11 @@ Each worker is a child process that dies with the API (PDEATHSIG). A thread per 
 waits on the process: an exit (kill -9, a segfault, an error that took the interpreter
 down) is known at once, told to the hub (so nothing waits for a heartbeat to lapse), and a
 new worker is started, with a short backoff if workers keep dying.
+
+With `devices` N > 1 the child is `torchrun --standalone --nproc-per-node N` running the
+worker (treadle.worker.group): a group of N ranks for the model. A rank that dies takes
+the group down (torchrun ends the others and exits), and the group is started again as
+one worker would be.
 """
 
 from __future__ import annotations
@@ -103,21 +108,23 @@ class Supervisor:
         settings["models"] = {name: path}
         config_file = data / f"worker-{_slug(name)}.json"
         config_file.write_text(json.dumps(settings))
-        cmd = [
-            sys.executable,
-            "-m",
-            "treadle.cli",
-            "worker",
-            "--config",
-            str(config_file),
-            "--connect",
-            self.address,
-            "--replica",
-            str(replica),
-        ]
+        n = self.config.devices
+        cmd = [sys.executable]
         env = {**os.environ, TOKEN_ENV: self.token}
-        log.info("starting the worker of %s", name)
+        if n > 1:
+            cmd += ["-m", "torch.distributed.run", *group_args(n)]
+            # torchrun's default is one thread per rank; CPU ranks share the cores instead
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        cmd += ["-m", "treadle.cli", "worker", "--config", str(config_file)]
+        cmd += ["--connect", self.address, "--replica", str(replica)]
+        log.info("starting the worker of %s%s", name, f" ({n} ranks)" if n > 1 else "")
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+
+def group_args(n: int) -> list[str]:
+    """torchrun's flags for a group of n ranks on this machine: a rendezvous of its own on
+    a free port, and no restarts of its own (the supervisor restarts the whole group)."""
+    return ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0"]
 
 
 def _slug(name: str) -> str:

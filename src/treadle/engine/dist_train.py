@@ -1,0 +1,284 @@
+"""forward / forward_backward over the ranks of a group: each rank takes a share of the rows.
+
+Every rank runs this with the same batches (rank 0 told them, treadle.engine.distributed):
+
+1. all ranks check every batch (the same checks as one process, so they all refuse alike);
+2. rank r takes a contiguous slice of all the rows (about 1/world of the tokens: `share`)
+   and runs the model over it, each row routed to its session's adapter; a batch may be cut
+   between ranks, and since every loss is a sum over tokens, its loss is the sum of the
+   ranks' partial losses (one all-reduce of the partial losses, which also carries a flag
+   for a rank that failed);
+3. for every batch whose loss is finite, each rank takes the gradients of its partial losses,
+   and one all-reduce sums them: each adapter gets exactly the gradients one process would
+   compute on the whole batch, and the rule that a batch adds nothing to its adapter unless
+   the result is finite is then applied to the summed gradients, on every rank alike
+   (treadle.engine.train._add_if_finite), so the decision is the same everywhere;
+4. the per-datum logprobs are gathered to rank 0, which builds the results.
+
+Gradients are taken per batch, not per adapter: each batch's rows are routed to a view of
+its adapter's tensors of their own (an "alias"), so one backward gives every batch's
+gradients apart, and an adapter with several batches in the call whose sum is not finite
+can drop just the bad ones, as one process does.
+
+Under FSDP (treadle.engine.fsdp) every rank must run the same sequence of collectives: each
+rank makes exactly one model call (one row of one token when its share is empty) and, when
+any batch trains, exactly one backward that reaches the input embeddings, whatever layers
+its own rows' adapters train.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import math
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from treadle.engine.lora import Adapter, AdapterBank, LoraPair
+from treadle.engine.losses import as_int64, validate_batch
+from treadle.engine.train import NONFINITE, _add_if_finite, _batch_loss
+from treadle.engine.types import TrainBatch, TrainResult
+
+
+def share(weights: list[int], rank: int, world: int) -> tuple[int, int]:
+    """Rank's contiguous slice [lo, hi) of items weighted by `weights`: an item goes to the
+    rank whose 1/world of the total holds the item's middle. Empty for some rank when an
+    item outweighs the others."""
+    total = sum(weights)
+    if total == 0:
+        per = -(-len(weights) // world)
+        return min(rank * per, len(weights)), min((rank + 1) * per, len(weights))
+    middles = [c - w / 2 for c, w in zip(itertools.accumulate(weights), weights, strict=True)]
+
+    def cut(k: int) -> int:
+        return len(weights) if k >= world else bisect.bisect_left(middles, total * k / world)
+
+    return cut(rank), cut(rank + 1)
+
+
+def forward_backward(
+    engine: Any, comm: Any, batches: list[TrainBatch], forward_only: bool
+) -> list[TrainResult]:
+    """Rank 0: the results of every batch, as Engine.forward_backward; other ranks: [].
+
+    `engine` is this rank's Engine, `comm` its DistributedEngine (the group and its
+    collectives)."""
+    bank: AdapterBank = engine.bank
+    for batch in batches:
+        validate_batch(batch, engine.vocab_size, engine.max_seq_len)
+        bank.get(batch.adapter_id) if forward_only else bank.live(batch.adapter_id)
+    if not batches:
+        return []
+    fsdp = comm.group.fsdp
+    lengths = [len(d.tokens) for b in batches for d in b.data]
+    lo, hi = share(lengths, comm.group.rank, comm.group.world)
+    local = _local_batches(batches, lo, hi)
+    train = not forward_only
+    partial: dict[int, torch.Tensor] = {}
+    outs: dict[int, list[dict[str, np.ndarray]]] = {}
+    failure: BaseException | None = None
+    anchor: torch.Tensor | None = None
+    leaf: list[torch.Tensor] = []
+    with torch.set_grad_enabled(train), _aliased(bank, batches, train) as aliases:
+        try:
+            keys = [aliases[i].id if train else b.adapter_id for i, b in local for _ in b.data]
+            partial, outs, anchor = _pass(
+                engine, local, keys, fsdp, leaf if fsdp and train else None
+            )
+        except Exception as e:  # noqa: BLE001 - reported through the all-reduce below
+            failure = e
+    # the whole batches' losses, and whether any rank failed, in one all-reduce
+    vec = torch.zeros(len(batches) + 1, dtype=torch.float32, device=engine.device)
+    for i, loss in partial.items():
+        vec[i] = loss.detach().float()
+    vec[-1] = float(failure is not None)
+    comm.all_reduce(vec)
+    if vec[-1].item() > 0:
+        comm.raise_failures(failure)
+    values = vec[:-1].tolist()
+    bad = [not math.isfinite(v) for v in values]
+    if train and not all(bad):
+        bad = _accumulate(engine, comm, batches, partial, aliases, bad, anchor, leaf)
+    gathered = comm.gather([(i, outs[i]) for i, _ in local])
+    if gathered is None:
+        return []
+    outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in batches]
+    for part in gathered:
+        for i, o in part:
+            outputs[i] += o
+    return [
+        TrainResult(out, {"loss:sum": value, NONFINITE: float(b)})
+        for out, value, b in zip(outputs, values, bad, strict=True)
+    ]
+
+
+def _local_batches(batches: list[TrainBatch], lo: int, hi: int) -> list[tuple[int, TrainBatch]]:
+    """The rows [lo, hi) of all batches: (batch index, that batch cut to its rows there)."""
+    local, row = [], 0
+    for i, b in enumerate(batches):
+        a, z = max(lo, row), min(hi, row + len(b.data))
+        if a < z:
+            local.append(
+                (i, TrainBatch(b.adapter_id, b.data[a - row : z - row], b.loss_fn, b.loss_config))
+            )
+        row += len(b.data)
+    return local
+
+
+@contextlib.contextmanager
+def _aliased(
+    bank: AdapterBank, batches: list[TrainBatch], train: bool
+) -> Iterator[dict[int, Adapter]]:
+    """Per batch, an adapter whose tensors are views of its adapter's (registered as a
+    snapshot for the routing, for the model call only): the gradients of each view are that
+    batch's alone."""
+    if not train:
+        yield {}
+        return
+    tag = uuid.uuid4().hex[:8]
+    aliases = {}
+    for i, b in enumerate(batches):
+        src = bank.live(b.adapter_id)
+        layers = {
+            path: LoraPair(p.A.view_as(p.A), p.B.view_as(p.B), p.scale)
+            for path, p in src.layers.items()
+        }
+        aliases[i] = Adapter(f"{b.adapter_id}#{tag}.{i}", src.spec, layers, trainable=False)
+    bank.snapshots.update({a.id: a for a in aliases.values()})
+    try:
+        yield aliases
+    finally:
+        for a in aliases.values():
+            bank.snapshots.pop(a.id, None)
+
+
+def _pass(
+    engine: Any,
+    local: list[tuple[int, TrainBatch]],
+    keys: list[str],
+    fsdp: bool,
+    leaf: list[torch.Tensor] | None,
+) -> tuple[dict[int, torch.Tensor], dict[int, list[dict[str, np.ndarray]]], torch.Tensor | None]:
+    """The model over this rank's rows → partial losses and outputs by batch index, and the
+    logits (FSDP's backward anchor). `leaf` receives the input embeddings as a tensor that
+    requires grad (FSDP: the backward then crosses every layer)."""
+    if not local and not fsdp:
+        return {}, {}, None
+    model = engine.model
+    lengths = [len(d.tokens) for _, b in local for d in b.data] or [1]
+    rows, T = len(lengths), max(lengths)
+    ids = np.zeros((rows, T), dtype=np.int64)  # (B, T); pads are token 0, masked out below
+    r = 0
+    for _, b in local:
+        for d in b.data:
+            ids[r, : len(d.tokens)] = as_int64(d.tokens)
+            r += 1
+    device = engine.device
+    attention_mask = None
+    if min(lengths) < T:
+        mask_np = np.arange(T)[None, :] < np.asarray(lengths)[:, None]  # (B, T)
+        attention_mask = torch.from_numpy(mask_np.astype(np.int64)).to(device)
+    route = keys or [None]  # an empty share under FSDP: one base row of token 0
+    with engine.bank.rows(route), _embeddings_as_leaf(model, leaf):
+        logits = model(
+            input_ids=torch.from_numpy(ids).to(device),
+            attention_mask=attention_mask,
+            use_cache=False,
+        ).logits  # (B, T, V)
+    partial, outs = {}, {}
+    start = 0
+    for i, b in local:
+        stop = start + len(b.data)
+        partial[i], outs[i] = _batch_loss(logits[start:stop], b, lengths[start:stop])
+        start = stop
+    return partial, outs, logits if fsdp else None
+
+
+@contextlib.contextmanager
+def _embeddings_as_leaf(model: torch.nn.Module, leaf: list[torch.Tensor] | None) -> Iterator[None]:
+    if leaf is None:
+        yield
+        return
+
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.detach().requires_grad_(True)  # (B, T, H)
+        leaf.append(out)
+        return out
+
+    handle = model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _accumulate(
+    engine: Any,
+    comm: Any,
+    batches: list[TrainBatch],
+    partial: dict[int, torch.Tensor],
+    aliases: dict[int, Adapter],
+    bad: list[bool],
+    anchor: torch.Tensor | None,
+    leaf: list[torch.Tensor],
+) -> list[bool]:
+    """Sum each finite batch's gradients over the ranks, then add them to its adapter's
+    .grad where the result stays finite (train._accumulate's rule, on the summed
+    gradients). Returns `bad` with the batches that added nothing marked."""
+    bad = list(bad)
+    good = [i for i in range(len(batches)) if not bad[i]]
+    targets = [t for i in good for t in aliases[i].parameters()]
+    objective = None
+    for i in good:
+        if i in partial:
+            objective = partial[i] if objective is None else objective + partial[i]
+    if anchor is not None:  # FSDP: a backward on every rank, through every layer
+        zero = anchor.sum() * 0.0
+        objective = zero if objective is None else objective + zero
+    failure: BaseException | None = None
+    grads: list[torch.Tensor | None] = [None] * len(targets)
+    try:
+        if objective is not None and objective.requires_grad:
+            found = torch.autograd.grad(objective, targets + leaf, allow_unused=True)
+            grads = list(found[: len(targets)])
+    except Exception as e:  # noqa: BLE001 - reported through the all-reduce below
+        failure = e
+    flat = torch.cat(
+        [
+            (g if g is not None else torch.zeros_like(t)).reshape(-1)
+            for g, t in zip(grads, targets, strict=True)
+        ]
+        + [torch.tensor([float(failure is not None)], device=engine.device)]
+    )
+    comm.all_reduce(flat)
+    if flat[-1].item() > 0:
+        comm.raise_failures(failure)
+    summed = list(flat[:-1].split([t.numel() for t in targets]))
+    per_batch: dict[int, tuple[torch.Tensor, ...]] = {}
+    for i in good:
+        n = len(aliases[i].layers) * 2
+        per_batch[i] = tuple(  # copies: a .grad must not hold the whole buffer
+            g.view_as(t).clone() for g, t in zip(summed[:n], aliases[i].parameters(), strict=True)
+        )
+        summed = summed[n:]
+    of_adapter: dict[str, list[int]] = {}
+    for i in good:
+        of_adapter.setdefault(batches[i].adapter_id, []).append(i)
+    for adapter_id, ids in of_adapter.items():
+        adapter = engine.bank.live(adapter_id)
+        together = per_batch[ids[0]]
+        for i in ids[1:]:
+            together = tuple(a + b for a, b in zip(together, per_batch[i], strict=True))
+        if _add_if_finite(adapter, together):
+            continue
+        if len(ids) == 1:
+            bad[ids[0]] = True
+            continue
+        for i in ids:  # rare: find which of the adapter's batches are to blame
+            bad[i] = not _add_if_finite(adapter, per_batch[i])
+    return bad

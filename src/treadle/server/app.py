@@ -2,6 +2,11 @@
 the lifespan, never at import, and torn down with it.
 
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
+    treadle serve --model ... --db postgresql://db-host/treadle                       # engine host
+    treadle serve --model ... --db postgresql://db-host/treadle --engine-host false   # + frontends
+
+On a PostgreSQL database the processes find each other through it (treadle.server.core.
+shared): the engine host runs the engines as a lone server does, a frontend none.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
 from treadle.server.core.sessions import Sessions
+from treadle.server.core.shared import Shared
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
@@ -56,12 +62,15 @@ from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.forward import ControlCalls
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
 from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor
 from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
+from treadle.server.storage.notify import Notify
+from treadle.server.storage.rows import new_id
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
@@ -90,34 +99,52 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
-        state = _build_state(config, store, journal, asyncio.get_running_loop())
+        notify = Notify(new_id()) if store.shared else None  # other API processes may join
+        state = _build_state(config, store, journal, asyncio.get_running_loop(), notify)
+        shared = None
+        if notify is not None:
+            calls = ControlCalls(journal, notify, config.engine_down_timeout_s)
+            shared = Shared(state, notify, calls)
         recovery = Recovery(state)
-        engines = (
-            _ProcessEngines(config, state, recovery)
-            if config.engine_processes
-            else _ThreadEngines(config, state, recovery, make_engine)
-        )
+        engines: _ThreadEngines | _ProcessEngines | None = None
+        if config.engine_host:
+            engines = (
+                _ProcessEngines(config, state, recovery)
+                if config.engine_processes
+                else _ThreadEngines(config, state, recovery, make_engine)
+            )
         # what tenants and keys spent this day and month, before any engine runs
         await asyncio.to_thread(state.admission.spend.load)
         app.state.console = ConsoleViews(
             config, store, state.engines, state.futures.metrics, state.admission.spend
         )
         state.futures.metrics.start()
+        tasks: list[asyncio.Task] = []
         try:
-            await engines.start()
+            if shared is not None:
+                await shared.listen()  # before recovery reads the requests left pending
+            if engines is not None:
+                await engines.start()
+            if shared is not None:
+                await (shared.announce() if engines is not None else shared.join())
+                await shared.open()
+                tasks.append(asyncio.create_task(shared.keep_seen()))
             for name, path in config.models.items():
                 state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
             app.state.server = state
             app.state.keyring = state.keyring
             app.state.openai = OpenAIServing(state)
             _announce_mode(state.keyring)
-            reaper = asyncio.create_task(_reap_idle_sessions(state))
-            try:
-                yield
-            finally:
-                reaper.cancel()
+            if config.engine_host:  # the host ends silent sessions, for every process
+                tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
+            yield
         finally:
-            await engines.stop()  # first: their last outcomes go to the journal
+            for task in tasks:
+                task.cancel()
+            if shared is not None:  # no more requests of other processes are taken
+                await shared.stop()
+            if engines is not None:
+                await engines.stop()  # first: their last outcomes go to the journal
             await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
@@ -146,7 +173,11 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
 
 
 def _build_state(
-    config: ServerConfig, store: Store, journal: Journal, loop: asyncio.AbstractEventLoop
+    config: ServerConfig,
+    store: Store,
+    journal: Journal,
+    loop: asyncio.AbstractEventLoop,
+    notify: Notify | None = None,
 ) -> ServerState:
     quotas = QuotaBook(config.quotas, config.tenant_quotas)
     keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
@@ -161,8 +192,9 @@ def _build_state(
         config.long_poll_s,
         durable=config.durable,
         metrics=metrics,
+        notify=notify,
     )
-    sessions_ = Sessions(store, journal, admission)
+    sessions_ = Sessions(store, journal, admission, notify)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
     return ServerState(
@@ -173,7 +205,9 @@ def _build_state(
         admission=admission,
         futures=futures_,
         sessions=sessions_,
-        models=TrainingModels(store, journal, sessions_, engines, admission, futures_, bindings),
+        models=TrainingModels(
+            store, journal, sessions_, engines, admission, futures_, bindings, notify
+        ),
         samplers=Samplers(store, journal, sessions_, engines, checkpoints_),
         checkpoints=checkpoints_,
         bindings=bindings,

@@ -16,6 +16,7 @@ writes a draft of it from the difference against a database at head:
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,10 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
+
+log = logging.getLogger("treadle.migrations")
+# Alembic tells of every plugin and context it sets up; what it migrates is logged here.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 HERE = Path(__file__).parent
 # pg_advisory_xact_lock key of the schema upgrade (any constant of our own)
@@ -70,6 +75,9 @@ def upgrade(engine: Engine) -> None:
         if found == head():
             return  # another process migrated it while this one waited
         if found is None and inspect(conn).has_table("requests"):
+            log.info("adopting a database made before the migrations: revision %s", FIRST)
             revision(FIRST).adopt(conn)
             command.stamp(config(conn), FIRST)
+            found = FIRST
+        log.info("migrating the database from revision %s to %s", found or "(empty)", head())
         command.upgrade(config(conn), "head")

@@ -79,6 +79,7 @@ from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
 log = logging.getLogger("treadle.server")
 
 EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
+SPEND_RELOAD_S = 5.0
 
 
 def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
@@ -137,6 +138,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             _announce_mode(state.keyring)
             if config.engine_host:  # the host ends silent sessions, for every process
                 tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
+            else:  # the host counts what results spend; a frontend reads it
+                tasks.append(asyncio.create_task(_reload_spend(state)))
             yield
         finally:
             for task in tasks:
@@ -325,6 +328,19 @@ def _announce_mode(keyring: KeyRing) -> None:
         )
     else:
         log.info("tenants configured: every request needs an API key")
+
+
+async def _reload_spend(state: ServerState) -> None:
+    """A frontend: what tenants and keys spent, read again every few seconds while spend
+    caps exist (the engine host counts each result as it records it)."""
+    spend = state.admission.spend
+    while True:
+        await asyncio.sleep(SPEND_RELOAD_S)
+        try:
+            if spend is not None and await asyncio.to_thread(spend.caps):
+                await asyncio.to_thread(spend.load)
+        except Exception:
+            log.exception("reading what was spent")
 
 
 async def _reap_idle_sessions(state: ServerState) -> None:

@@ -175,6 +175,11 @@ class TrainingModels:
         try:
             await self.journal.run(functools.partial(insert_row, cls=ModelRow, values=values))
         except IntegrityError:
+            if model_id not in self._rows and self.notify is not None:
+                # made by an identical request another API process took: that model
+                found = await asyncio.to_thread(self.store.get, ModelRow, model_id)
+                if found is not None and found.status == "active":
+                    return self._adopt(found)
             if model_id not in self._rows:  # made by an identical request meanwhile
                 raise
         if model_id not in self._rows:

@@ -146,7 +146,8 @@ class Sessions:
         """Forget an active session (ended here, or by another API process)."""
         self._last_seen.pop(session_id, None)
         self._seen.discard(session_id)
-        self._ended[session_id] = status
+        if session_id in self._tenant:  # one this process never held is read if asked for
+            self._ended[session_id] = status
 
     def cached(self) -> list[str]:
         """The sessions this process holds as active."""

@@ -9,9 +9,12 @@ notifications missed while a listener reconnects, a second engine host refused.
 
 from __future__ import annotations
 
+import io
 import shutil
+import tarfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import psycopg
@@ -146,6 +149,33 @@ def test_a_sampler_of_a_checkpoint_made_at_the_frontend_samples_everywhere(pair)
     body = {"session_id": sid, "sampling_session_seq_id": 1, "model_path": path}
     r = post(front, "create_sampling_session", body)
     assert r.status_code >= 400 and r.json()["error"], r.text
+
+
+def adapter_tar(folder: Path, broken: bool = False) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            data = (folder / name).read_bytes()
+            if broken and name.endswith(".safetensors"):
+                data = data[: len(data) // 2]
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_an_import_at_the_frontend_is_checked_by_the_host(pair):
+    host, front, _, _ = pair
+    mid, created = model(front, session(front))
+    result(front, created)
+    saved = ok(front, "save_weights_for_sampler", {"model_id": mid, "seq_id": 1, "path": "x"})
+    path = result(front, saved["request_id"])["path"]
+    folder = Path(host.app.state.server.store.get(CheckpointRow, path).dir)
+    url = "/api/v1/treadle/checkpoints/groups/imported/import"
+    r = front.post(url, content=adapter_tar(folder), params={"base_model": TINY})
+    assert r.status_code == 200, r.text  # the dry run loaded it at the host
+    r = front.post(url, content=adapter_tar(folder, broken=True), params={"base_model": TINY})
+    assert r.status_code == 400 and "loadable" in r.json()["error"], r.text
 
 
 def test_a_session_ended_at_the_frontend_is_freed_at_the_host(pair):

@@ -95,7 +95,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         root = packages_root(config)
-        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
+        if config.engine_host:  # a frontend starts while the host may be writing there
+            artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)

@@ -247,7 +247,9 @@ def load_state(
 
 
 # ---- snapshots: training state plus the gradients accumulated since the last step ----
-def save_snapshot(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_model: str) -> None:
+def save_snapshot(
+    bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_model: str
+) -> None:
     """save_state plus the accumulated gradients: a model restored from it continues
     exactly where it was, even between a forward_backward and its optim_step."""
     out = Path(out_dir)

@@ -2,6 +2,11 @@
 the lifespan, never at import, and torn down with it.
 
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
+    treadle serve --model ... --db postgresql://db-host/treadle                       # engine host
+    treadle serve --model ... --db postgresql://db-host/treadle --engine-host false   # + frontends
+
+On a PostgreSQL database the processes find each other through it (treadle.server.core.
+shared): the engine host runs the engines as a lone server does, a frontend none.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
 from treadle.server.core.sessions import Sessions
+from treadle.server.core.shared import Shared
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
@@ -56,6 +62,7 @@ from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.forward import ControlCalls
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
 from treadle.server.runtime.replicas import ReplicatedEngine
@@ -63,6 +70,8 @@ from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor
 from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
+from treadle.server.storage.notify import Notify
+from treadle.server.storage.rows import new_id
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
@@ -71,6 +80,7 @@ from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
 log = logging.getLogger("treadle.server")
 
 EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
+SPEND_RELOAD_S = 5.0
 
 
 def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
@@ -86,39 +96,60 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         root = packages_root(config)
-        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
+        if config.engine_host:  # a frontend starts while the host may be writing there
+            artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
-        state = _build_state(config, store, journal, asyncio.get_running_loop())
+        notify = Notify(new_id()) if store.shared else None  # other API processes may join
+        state = _build_state(config, store, journal, asyncio.get_running_loop(), notify)
+        shared = None
+        if notify is not None:
+            calls = ControlCalls(journal, notify, config.engine_down_timeout_s)
+            shared = Shared(state, notify, calls)
         recovery = Recovery(state)
-        engines = (
-            _ProcessEngines(config, state, recovery)
-            if config.engine_processes
-            else _ThreadEngines(config, state, recovery, make_engine)
-        )
+        engines: _ThreadEngines | _ProcessEngines | None = None
+        if config.engine_host:
+            engines = (
+                _ProcessEngines(config, state, recovery)
+                if config.engine_processes
+                else _ThreadEngines(config, state, recovery, make_engine)
+            )
         # what tenants and keys spent this day and month, before any engine runs
         await asyncio.to_thread(state.admission.spend.load)
         app.state.console = ConsoleViews(
             config, store, state.engines, state.futures.metrics, state.admission.spend
         )
         state.futures.metrics.start()
+        tasks: list[asyncio.Task] = []
         try:
-            await engines.start()
+            if shared is not None:
+                await shared.listen()  # before recovery reads the requests left pending
+            if engines is not None:
+                await engines.start()
+            if shared is not None:
+                await (shared.announce() if engines is not None else shared.join())
+                await shared.open()
+                tasks.append(asyncio.create_task(shared.keep_seen()))
             for name, path in config.models.items():
                 state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
             app.state.server = state
             app.state.keyring = state.keyring
             app.state.openai = OpenAIServing(state)
             _announce_mode(state.keyring)
-            reaper = asyncio.create_task(_reap_idle_sessions(state))
-            try:
-                yield
-            finally:
-                reaper.cancel()
+            if config.engine_host:  # the host ends silent sessions, for every process
+                tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
+            else:  # the host counts what results spend; a frontend reads it
+                tasks.append(asyncio.create_task(_reload_spend(state)))
+            yield
         finally:
-            await engines.stop()  # first: their last outcomes go to the journal
+            for task in tasks:
+                task.cancel()
+            if shared is not None:  # no more requests of other processes are taken
+                await shared.stop()
+            if engines is not None:
+                await engines.stop()  # first: their last outcomes go to the journal
             await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
@@ -147,7 +178,11 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
 
 
 def _build_state(
-    config: ServerConfig, store: Store, journal: Journal, loop: asyncio.AbstractEventLoop
+    config: ServerConfig,
+    store: Store,
+    journal: Journal,
+    loop: asyncio.AbstractEventLoop,
+    notify: Notify | None = None,
 ) -> ServerState:
     quotas = QuotaBook(config.quotas, config.tenant_quotas)
     keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
@@ -162,8 +197,9 @@ def _build_state(
         config.long_poll_s,
         durable=config.durable,
         metrics=metrics,
+        notify=notify,
     )
-    sessions_ = Sessions(store, journal, admission)
+    sessions_ = Sessions(store, journal, admission, notify)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
     return ServerState(
@@ -174,7 +210,9 @@ def _build_state(
         admission=admission,
         futures=futures_,
         sessions=sessions_,
-        models=TrainingModels(store, journal, sessions_, engines, admission, futures_, bindings),
+        models=TrainingModels(
+            store, journal, sessions_, engines, admission, futures_, bindings, notify
+        ),
         samplers=Samplers(store, journal, sessions_, engines, checkpoints_),
         checkpoints=checkpoints_,
         bindings=bindings,
@@ -284,7 +322,9 @@ class _ProcessEngines:
         self.hub.start()
         log.info("workers connect to %s", self.hub.address)
         if config.start_workers:
-            self.supervisor = Supervisor(config, self.hub.address, self.hub.token, self.hub.worker_exited)
+            self.supervisor = Supervisor(
+                config, self.hub.address, self.hub.token, self.hub.worker_exited
+            )
             self.supervisor.start()
         groups = list(self.hub.engines.values())
         while not all(r.ready for g in groups for r in g.replicas):  # every model restored
@@ -307,6 +347,19 @@ def _announce_mode(keyring: KeyRing) -> None:
         )
     else:
         log.info("tenants configured: every request needs an API key")
+
+
+async def _reload_spend(state: ServerState) -> None:
+    """A frontend: what tenants and keys spent, read again every few seconds while spend
+    caps exist (the engine host counts each result as it records it)."""
+    spend = state.admission.spend
+    while True:
+        await asyncio.sleep(SPEND_RELOAD_S)
+        try:
+            if spend is not None and await asyncio.to_thread(spend.caps):
+                await asyncio.to_thread(spend.load)
+        except Exception:
+            log.exception("reading what was spent")
 
 
 async def _reap_idle_sessions(state: ServerState) -> None:

@@ -112,7 +112,12 @@ class Worker:
         self.loop.start()
         self.channel.start()
         self._hello()
-        log.info("worker %s for %s connected to %s", self.worker_id, self.facts.name, self.channel.address)
+        log.info(
+            "worker %s for %s connected to %s",
+            self.worker_id,
+            self.facts.name,
+            self.channel.address,
+        )
         self._done.wait()
 
     def drain_and_exit(self) -> None:

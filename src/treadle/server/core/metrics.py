@@ -133,12 +133,13 @@ class Metrics:
         self.flush()
 
     # ---- filing and finishing (Futures) ----
-    def filed(self, op: Op, values: Mapping[str, Any]) -> None:
-        """Note an op being filed (in the request's context: its key is known there)."""
+    def filed(self, op: Op, values: Mapping[str, Any], key_id: str | None = None) -> None:
+        """Note an op being filed (in the request's context: its key is known there; or
+        `key_id`, for an op another API process filed)."""
         f = Filed(
             kind=op.kind,
             tenant_id=values["tenant_id"],
-            key_id=current_key_id(),
+            key_id=key_id or current_key_id(),
             session_id=values.get("session_id"),
             model_id=op.model_id,
             base_model=values.get("base_model"),

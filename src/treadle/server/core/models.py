@@ -2,6 +2,12 @@
 
 The models this process made are held in memory (the hot path reads no database); one made
 by a previous run is read from its row, to say what became of it.
+
+On a database several API processes share (`notify` given: treadle.server.core.shared), a
+model another process made is adopted on first use (`adopt`): its row read once, its
+engine told of it (on the engine host: its seq_id queue opens; its ops arrive through their
+rows). One another process unloaded is forgotten when its notification arrives
+(`unloaded_elsewhere`), and the engine host frees it.
 """
 
 from __future__ import annotations
@@ -10,10 +16,10 @@ import asyncio
 import functools
 import logging
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.exc import IntegrityError
 
-from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.errors import InvalidRequestError, NotFoundError, SessionGoneError
 from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
@@ -22,6 +28,7 @@ from treadle.server.registry.bindings import Bindings
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.ops import ModelResult, OpKind, Outcome
 from treadle.server.storage.database import Store
+from treadle.server.storage.notify import Notify
 from treadle.server.storage.queries import insert_row, set_model_status
 from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
@@ -39,7 +46,9 @@ class TrainingModels:
         admission: Admission,
         futures: Futures,
         bindings: Bindings,
+        notify: Notify | None = None,
     ):
+        self.notify = notify  # several API processes on one database
         self.store = store
         self.journal = journal
         self.sessions = sessions
@@ -65,12 +74,37 @@ class TrainingModels:
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.sessions.require(row.session_id)
         engine = self.engines.get(row.base_model)
+        if engine is not None and row.status == "active" and not engine.has_model(model_id):
+            if self.notify is not None:  # made by another API process
+                row = self._adopt(row)
         if engine is None or not engine.has_model(model_id):
             why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
             raise NotFoundError(
                 f"{field}: model {model_id!r} {why}; create a training client from one of its "
                 "checkpoints"
             )
+        return row
+
+    async def adopt(self, model_id: str) -> bool:
+        """The engine host: a model another API process made, for an op of it that arrived
+        (no request context: any tenant's). False if it is not active, nor its session."""
+        row = self._rows.get(model_id)
+        if row is None:
+            row = await asyncio.to_thread(self.store.get, ModelRow, model_id)
+        if row is None or row.status != "active":
+            return False
+        try:
+            self.sessions.require(row.session_id)
+        except (NotFoundError, SessionGoneError):
+            return False
+        self._adopt(row)
+        return True
+
+    def _adopt(self, row: ModelRow) -> ModelRow:
+        row = self._rows.setdefault(row.model_id, row)
+        engine = self.engines.get(row.base_model)
+        if engine is not None and not engine.has_model(row.model_id):
+            engine.add_model(row.model_id)  # made during this host's run: from seq_id 0
         return row
 
     def restore(self, row: ModelRow) -> None:
@@ -88,7 +122,9 @@ class TrainingModels:
         ]
 
     def active_count(self, tenant_id: str) -> int:
-        return sum(1 for m in self._rows.values() if m.tenant_id == tenant_id and m.status == "active")
+        return sum(
+            1 for m in self._rows.values() if m.tenant_id == tenant_id and m.status == "active"
+        )
 
     def live(self, tenant_id: str) -> list[ModelRow]:
         """The tenant's models that can serve requests now."""
@@ -141,6 +177,11 @@ class TrainingModels:
         try:
             await self.journal.run(functools.partial(insert_row, cls=ModelRow, values=values))
         except IntegrityError:
+            if model_id not in self._rows and self.notify is not None:
+                # made by an identical request another API process took: that model
+                found = await asyncio.to_thread(self.store.get, ModelRow, model_id)
+                if found is not None and found.status == "active":
+                    return self._adopt(found)
             if model_id not in self._rows:  # made by an identical request meanwhile
                 raise
         if model_id not in self._rows:
@@ -148,9 +189,7 @@ class TrainingModels:
             engine.add_model(model_id)
         return self._rows[model_id]
 
-    async def bind(
-        self, row: ModelRow, group: str | None, output_path: str | None
-    ) -> None:
+    async def bind(self, row: ModelRow, group: str | None, output_path: str | None) -> None:
         """Bind a new model to its model package group: its saves become versions there."""
         if group is not None:
             await asyncio.to_thread(
@@ -173,7 +212,7 @@ class TrainingModels:
         await self.journal.run(functools.partial(insert_row, cls=RequestRow, values=values))
         row.status = "unloaded"
         self.journal.submit(
-            functools.partial(set_model_status, model_id=model_id, status="unloaded"), _log_error
+            functools.partial(_unloaded, model_id=model_id, notify=self.notify), _log_error
         )
         engine = self.engines.require(row.base_model)
         reason = f"model {model_id!r} was unloaded before this request ran"
@@ -202,6 +241,14 @@ class TrainingModels:
             except Exception:
                 log.exception("freeing model %s", model_id)
 
+    async def unloaded_elsewhere(self, model_id: str) -> None:
+        """Another API process unloaded a model: forget it (the engine host frees it)."""
+        row = self._rows.get(model_id)
+        if row is not None:
+            await self.on_session_ended(
+                [(model_id, row.base_model)], f"model {model_id!r} was unloaded"
+            )
+
     def find_run(self, run_or_model_id: str) -> ModelRow:
         rows = self.store.query(
             select(ModelRow).where(
@@ -212,6 +259,12 @@ class TrainingModels:
         if not rows:
             raise NotFoundError(f"training run {run_or_model_id!r} not found")
         return rows[0]
+
+
+def _unloaded(conn: Connection, model_id: str, notify: Notify | None) -> None:
+    set_model_status(conn, model_id, "unloaded")
+    if notify is not None:  # the other API processes forget it; the engine host frees it
+        notify.model_unloaded(conn, model_id)
 
 
 def _log_error(_: object, error: BaseException | None) -> None:

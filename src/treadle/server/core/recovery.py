@@ -17,6 +17,11 @@ their model's snapshot or with the replay of the op that made them.
 
 Cost: one payload column written with each request row (the same bytes the engine is
 sent), and a state snapshot per model every `snapshot_every_steps` optimizer steps.
+
+On a database several API processes share, the engine host recovers every process's
+requests alike; an unfinished request is handed to the engine only if nothing else in this
+process has handed it already (`Futures.claims`: a request another process filed may
+arrive by its notification as well).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import functools
 import logging
 import shutil
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -93,20 +99,22 @@ class Recovery:
 
     # ---- an engine (re)starts: its models, samplers and unfinished work ----
     async def restore_engine(
-        self, engine: EngineClient, model_ids: list[str] | None = None, skip: set[str] = frozenset()
+        self,
+        engine: EngineClient,
+        model_ids: list[str] | None = None,
+        skip: AbstractSet[str] = frozenset(),
     ) -> None:
         """Restore an engine's models (all of its base model's, or `model_ids`: those placed
         on one replica). `skip`: request ids someone else sends again."""
         t0 = time.monotonic()
         # everything already handed to the journal is on disk before we read the log
         await self.state.journal.run(lambda conn: None)
-        in_flight = {op.request_id for op in _unfinished(engine)} | set(skip)
         models = self.state.models.rows_of(engine.name)
         if model_ids is not None:
             models = [m for m in models if m.model_id in set(model_ids)]
         for row in models:
             try:
-                await self._restore_model(engine, row, in_flight)
+                await self._restore_model(engine, row, skip)
             except Exception as e:  # one model that cannot come back must not keep the rest
                 log.exception("could not restore model %s", row.model_id)
                 await self._give_up(engine, row, e)
@@ -116,8 +124,9 @@ class Recovery:
             self._samples_restored.add(engine.name)
             with self.state.store.engine.connect() as conn:
                 samples = queries.pending_samples(conn, engine.name)
+        in_flight = {op.request_id for op in _unfinished(engine)} | set(skip)
         for row in samples:
-            if row["request_id"] not in in_flight and row["payload"] is not None:
+            if self._take(row["request_id"], in_flight) and row["payload"] is not None:
                 payload = decode_payload(OpKind.SAMPLE, row["payload"])
                 self.state.engines.require(engine.name).submit(
                     Op(row["request_id"], OpKind.SAMPLE, payload)
@@ -131,7 +140,17 @@ class Recovery:
                 time.monotonic() - t0,
             )
 
-    async def _restore_model(self, engine: EngineClient, row: ModelRow, in_flight: set) -> None:
+    def _take(self, request_id: str, in_flight: set[str]) -> bool:
+        """Whether to hand an unfinished request to the engine: not if it holds it (a
+        worker's engine sends those again itself), nor if it was handed already."""
+        if request_id in in_flight:
+            return False
+        claims = self.state.futures.claims
+        return claims is None or claims.take(request_id)
+
+    async def _restore_model(
+        self, engine: EngineClient, row: ModelRow, skip: AbstractSet[str] = frozenset()
+    ) -> None:
         snap = await asyncio.to_thread(self.state.store.get, StateSnapshotRow, row.model_id)
         after = snap.seq_id if snap is not None else -1
         await engine.restore_model(
@@ -142,11 +161,12 @@ class Recovery:
         )
         with self.state.store.engine.connect() as conn:
             log_rows = queries.model_ops_after(conn, row.model_id, after)
+        in_flight = {op.request_id for op in _unfinished(engine)} | set(skip)  # after the await
         for r in log_rows:
-            if r["request_id"] in in_flight:
-                continue  # sent before the worker went away: the engine sends it again
             kind, seq = OpKind(r["kind"]), r["seq_id"]
             if r["status"] == "pending":
+                if not self._take(r["request_id"], in_flight):
+                    continue  # sent before the worker went away: the engine sends it again
                 payload = decode_payload(kind, r["payload"])
                 engine.submit(Op(r["request_id"], kind, payload, row.model_id, seq))
             elif r["status"] == "done" and _replays(kind) and r["payload"] is not None:

@@ -73,7 +73,10 @@ def sample_response(result: SampleResult) -> SampleResponse:
     return SampleResponse(
         sequences=[
             SampledSequence(
-                stop_reason=s.stop_reason, tokens=s.tokens, logprobs=s.logprobs, topk_logprobs=s.topk
+                stop_reason=s.stop_reason,
+                tokens=s.tokens,
+                logprobs=s.logprobs,
+                topk_logprobs=s.topk,
             )
             for s in result.sequences
         ],

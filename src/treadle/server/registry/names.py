@@ -32,5 +32,3 @@ def parse_ref(ref: str, field: str = "version") -> tuple[str, int | None]:
         raise InvalidRequestError(f"{field}: expected GROUP:N or GROUP:latest, got {ref!r}")
     group, version = ref.split(":")
     return group, None if version == "latest" else int(version)
-
-

@@ -318,5 +318,3 @@ def apply_retention(db: Store, tenant_id: str, group: str) -> list[VersionRow]:
     doomed = expired_versions(_versions(db, tenant_id, group), g.keep_last, g.state_ttl_s, utcnow())
     _delete_rows(db, doomed)
     return doomed
-
-

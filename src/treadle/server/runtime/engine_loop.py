@@ -164,7 +164,9 @@ class EngineLoop(EngineClient):
         return "dead" if self._dead else "serving" if self._thread.is_alive() else "stopped"
 
     async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        await self._control("load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory)
+        await self._control(
+            "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory
+        )
 
     async def drop_ref(self, ref: str) -> None:
         await self._control("drop_ref", ref=ref)
@@ -304,9 +306,7 @@ class EngineLoop(EngineClient):
             for fn, fut in calls:
                 _run_call(fn, fut)
             with self._cond:
-                steps = plan_round(
-                    self.queues, self.samples, self._room(), self.max_merge_tokens
-                )
+                steps = plan_round(self.queues, self.samples, self._room(), self.max_merge_tokens)
                 for step in steps:
                     if step.kind == "sample":
                         taken = {id(op) for op in step.ops}

@@ -119,7 +119,8 @@ class _OpMsg:
 
 
 _RESULT_TYPES: dict[str, type] = {
-    t.__name__: t for t in (TrainResult, SampleResult, ModelResult, LoadResult, OptimResult, SaveResult)
+    t.__name__: t
+    for t in (TrainResult, SampleResult, ModelResult, LoadResult, OptimResult, SaveResult)
 }
 
 

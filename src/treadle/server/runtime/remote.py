@@ -164,7 +164,9 @@ class RemoteEngine(EngineClient):
             return ref in self._live
 
     async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        await self._control("load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory)
+        await self._control(
+            "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory
+        )
 
     async def drop_ref(self, ref: str) -> None:
         await self._control("drop_ref", ref=ref)
@@ -468,4 +470,3 @@ class WorkerHub:
             for engine in group.replicas:
                 engine.tick()
             group.tick()
-

@@ -1,37 +1,53 @@
-"""The Store: the database connection, schema creation, and short ORM reads and writes.
+"""The Store: the database connection, its schema, and short ORM reads and writes.
 
 The database is for durability, not signalling: the API and the engine loop wake each other
-through in-process events (treadle.server.core.board). SQLite under data_dir by default; any
-SQLAlchemy URL works. Every Store method opens its own short session, so any thread may use
-it; the request rows of the hot path (a submit, a result) are written by the journal thread
-(treadle.server.runtime.journal) with the Core statements of treadle.server.storage.queries.
+through in-process events (treadle.server.core.board), and API processes sharing a
+PostgreSQL database through its LISTEN/NOTIFY (treadle.server.storage.notify). SQLite under
+data_dir by default; PostgreSQL with `--db postgresql://user@host/db`. Opening a Store brings
+the schema to the newest revision (treadle.server.storage.migrations). Every Store method
+opens its own short session, so any thread may use it; the request rows of the hot path (a
+submit, a result) are written by the journal thread (treadle.server.runtime.journal) with
+the Core statements of treadle.server.storage.queries.
 
 Durability: SQLite runs in WAL mode with synchronous=NORMAL. A commit has reached the
 operating system before it returns, so it survives a crash of the server process (what
 "nothing acknowledged is lost" needs); only a power cut or kernel crash can lose the last
-commits before a checkpoint. FULL would add an fsync to every commit.
+commits before a checkpoint. FULL would add an fsync to every commit. PostgreSQL keeps its
+own settings (synchronous_commit on by default: a commit is on disk).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import create_engine, event, func, inspect, select, text, update
+from sqlalchemy import create_engine, event, func, select, update
 from sqlalchemy.orm import sessionmaker
 
-from treadle.server.storage.rows import DEFAULT_TENANT_ID, TENANT_TABLES, Base
+from treadle.server.storage import migrations
+from treadle.server.storage.rows import Base
+
+
+def engine_url(url: str) -> str:
+    """A URL as given → the one SQLAlchemy opens: PostgreSQL through psycopg (version 3),
+    whatever driver SQLAlchemy would pick for a bare postgresql://."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url.removeprefix(prefix)
+    return url
 
 
 class Store:
     def __init__(self, url: str):
-        is_sqlite = url.startswith("sqlite")
+        self.url = engine_url(url)
+        is_sqlite = self.url.startswith("sqlite")
+        self.shared = self.url.startswith("postgresql")
+        """Whether several API processes may use this database (PostgreSQL)."""
         self.engine = create_engine(
-            url, connect_args={"check_same_thread": False} if is_sqlite else {}
+            self.url, connect_args={"check_same_thread": False} if is_sqlite else {}
         )
         if is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        migrations.upgrade(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -58,21 +74,6 @@ class Store:
     def count(self, stmt) -> int:
         with self.session() as s:
             return int(s.scalar(select(func.count()).select_from(stmt.subquery())))
-
-
-
-def _add_missing_columns(engine: Any) -> None:
-    """Columns added since a database was made (CREATE TABLE never alters a table)."""
-    added = {
-        **{(t, "tenant_id"): f"VARCHAR(64) DEFAULT '{DEFAULT_TENANT_ID}'" for t in TENANT_TABLES},
-        ("requests", "base_model"): "VARCHAR(256)",
-        ("requests", "payload"): "BLOB",
-    }
-    have = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in TENANT_TABLES}
-    with engine.begin() as conn:
-        for (table, column), ddl in added.items():
-            if column not in have[table]:
-                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}"))
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -2,6 +2,11 @@
 
 Every row that belongs to a tenant carries tenant_id (TENANT_TABLES); the API filters every
 ORM read made while serving a request to the request's tenant (treadle.server.tenancy.auth).
+
+The schema in the database is made and changed by the Alembic migrations next to this file
+(treadle.server.storage.migrations): a change here needs a new revision there, and a test
+checks that the two agree. Numbers that count (seq ids, tokens, sizes, steps) are BIGINT:
+the edge accepts int64, and PostgreSQL's INTEGER holds 32 bits.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import uuid
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -48,6 +54,9 @@ class SessionRow(Base):
     sdk_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The last sign of life any API process saw (several API processes on one database:
+    # each writes what it saw every few seconds; the engine host's reaper reads it).
+    last_seen_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class ModelRow(Base):
@@ -79,7 +88,7 @@ class RequestRow(Base):
     session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     sampling_session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # "<model_id>#<seq_id>" or "<sampling_session_id>#<seq_id>": a resubmission finds its row.
     dedup_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
     # The op log: the op's payload (treadle.server.runtime.messages), written with the row,
@@ -91,9 +100,9 @@ class RequestRow(Base):
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     # Metered usage (treadle.server.tenancy.metering): prefill, sample and train tokens.
-    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    sampled_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    train_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    train_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
@@ -104,7 +113,7 @@ class StateSnapshotRow(Base):
 
     __tablename__ = "state_snapshots"
     model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    seq_id: Mapped[int] = mapped_column(Integer)
+    seq_id: Mapped[int] = mapped_column(BigInteger)
     dir: Mapped[str] = mapped_column(String(1024))
     samplers: Mapped[dict] = mapped_column(JSON, default=dict)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -116,7 +125,7 @@ class SamplingSessionRow(Base):
     sampling_session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(64), index=True)
     tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
-    seq_id: Mapped[int] = mapped_column(Integer)
+    seq_id: Mapped[int] = mapped_column(BigInteger)
     base_model: Mapped[str] = mapped_column(String(256))
     model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
     model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
@@ -136,7 +145,7 @@ class CheckpointRow(Base):
     dir: Mapped[str] = mapped_column(String(1024))
     base_model: Mapped[str] = mapped_column(String(256))
     lora_config: Mapped[dict] = mapped_column(JSON)
-    size_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -189,8 +198,8 @@ class VersionRow(Base):
     run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     base_model: Mapped[str] = mapped_column(String(256))
     lora_config: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     location: Mapped[str] = mapped_column(String(1024))
     """Where the files are: a server folder or s3://bucket/prefix/<tenant>/<group>/<id>."""
@@ -250,10 +259,10 @@ class OpRecordRow(Base):
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float] = mapped_column(Float, index=True)
     batch_ops: Mapped[int] = mapped_column(Integer, default=1)  # ops in the same engine call
-    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    sampled_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    train_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    train_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class StepFigureRow(Base):
@@ -267,11 +276,14 @@ class StepFigureRow(Base):
         UniqueConstraint("model_id", "step", "name", "source"),
         Index("ix_step_figures_session_step", "session_id", "step"),
     )
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # BIGSERIAL on PostgreSQL; SQLite numbers only an INTEGER PRIMARY KEY by itself
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
     tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
     session_id: Mapped[str] = mapped_column(String(64))
     model_id: Mapped[str] = mapped_column(String(128))
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)
     source: Mapped[str] = mapped_column(String(8))  # server | user
@@ -288,7 +300,7 @@ class SpendCapRow(Base):
     tenant_id: Mapped[str] = mapped_column(String(64), index=True)
     scope: Mapped[str] = mapped_column(String(64))  # tenant | key:<key_id>
     period: Mapped[str] = mapped_column(String(8))  # day | month
-    max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -302,8 +314,37 @@ class AdminKeyRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class ServedModelRow(Base):
+    """A base model the engine host serves, as its engine reported it: what the other API
+    processes check requests against (treadle.server.runtime.forward)."""
+
+    __tablename__ = "served_models"
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    vocab_size: Mapped[int] = mapped_column(BigInteger)
+    max_seq_len: Mapped[int] = mapped_column(BigInteger)
+    max_lora_rank: Mapped[int] = mapped_column(BigInteger)
+    arch: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ControlCallRow(Base):
+    """A control call an API process asks of the engine host (load a sampler from a
+    checkpoint, drop one, check an adapter): its arguments, then its answer."""
+
+    __tablename__ = "control_calls"
+    call_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(256))
+    name: Mapped[str] = mapped_column(String(32))
+    args: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending|done|failed
+    error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 # Tables whose rows belong to a tenant (a tenant_id column); databases written before
-# tenants existed get the column on open, their rows going to the development tenant.
+# tenants existed get the column when they are migrated, their rows going to the
+# development tenant.
 TENANT_TABLES = (
     "sessions",
     "models",

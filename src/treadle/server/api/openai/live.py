@@ -67,9 +67,7 @@ async def live_response(
     except BaseException:
         stream.close()
         raise
-    return StreamingResponse(
-        stream.events(first), media_type="text/event-stream", headers=HEADERS
-    )
+    return StreamingResponse(stream.events(first), media_type="text/event-stream", headers=HEADERS)
 
 
 class _LiveStream:
@@ -135,7 +133,9 @@ class _LiveStream:
             self.close()
 
     # ---- chunks ----
-    def _chunk(self, index: int, delta: Any, logprobs: Any = None, finish: str | None = None) -> dict:
+    def _chunk(
+        self, index: int, delta: Any, logprobs: Any = None, finish: str | None = None
+    ) -> dict:
         if self.chat:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:

@@ -118,5 +118,3 @@ async def weights_info(
         train_mlp=lora.get("train_mlp"),
         train_attn=lora.get("train_attn"),
     )
-
-

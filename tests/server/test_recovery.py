@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import signal
 import sqlite3
@@ -90,20 +91,29 @@ class Chaos:
     """Kills at chosen steps of a loop, from another thread, then restarts.
 
     One kill at a time: a step due for a kill first waits for the previous one to have
-    happened, so two chosen steps close together are two kills, never one.
+    happened, so two chosen steps close together are two kills, never one. The thread lives
+    as long as the loop: the server it restarts dies with the thread that started it.
     """
 
     def __init__(self, server: ServerProcess, at: set[int], whole: bool, seed: int = 0):
         self.server, self.at, self.whole = server, at, whole
         self.rng = random.Random(seed)
         self.kills = 0
-        self._thread: threading.Thread | None = None
+        self._due: queue.Queue[int | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
 
     def on_step(self, step: int) -> None:
         if step in self.at:
-            self.close()
-            self._thread = threading.Thread(target=self._kill, daemon=True)
-            self._thread.start()
+            self._due.join()  # the previous kill has happened
+            self._due.put(step)
+
+    def _run(self) -> None:
+        while self._due.get() is not None:
+            try:
+                self._kill()
+            finally:
+                self._due.task_done()
 
     def _kill(self) -> None:
         time.sleep(self.rng.uniform(0.0, 0.3))  # land in the middle of some request
@@ -114,15 +124,16 @@ class Chaos:
             deadline = time.monotonic() + 60
             while not (pids := self.server.children()) and time.monotonic() < deadline:
                 time.sleep(0.05)  # the previous worker is still being restarted
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
             if not pids:
                 return
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
         self.kills += 1
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join(90)
+        self._due.join()
+        self._due.put(None)
+        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,18 @@ class EngineFacts:
         )
 
 
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One worker group of a served model, as `treadle status` shows it."""
+
+    replica: int
+    status: str  # serving, restoring, down
+    worker_pid: int | None = None  # rank 0's process (None: a thread of the API process)
+    device: str | None = None  # what the worker said it runs on (cpu, cuda x4 (nccl, fsdp))
+    model_ids: tuple[str, ...] = ()  # the training sessions placed on it
+    queue_depth: int = 0  # ops handed to it whose outcome has not come back
+
+
 class EngineClient(ABC):
     """Submit ops, hear outcomes, ask facts. Every method is safe from the event loop."""
 
@@ -123,6 +135,10 @@ class EngineClient(ABC):
     def status(self) -> str:
         """serving, or what keeps it from serving (the console's overview)."""
         return "serving"
+
+    def replicas_status(self) -> list[ReplicaStatus]:
+        """Each worker group of this model (one for an engine on a thread)."""
+        return [ReplicaStatus(0, self.status())]
 
     def unfinished(self) -> list[Op]:
         """Ops handed to this engine that it will still run after a restart of its own

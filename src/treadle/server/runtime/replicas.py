@@ -16,9 +16,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from treadle.server.runtime.engine_client import EngineClient, EngineFacts
+from treadle.server.runtime.engine_client import EngineClient, EngineFacts, ReplicaStatus
 from treadle.server.runtime.ops import Op, OpKind
 from treadle.server.runtime.remote import RemoteEngine
 
@@ -71,24 +70,17 @@ class ReplicatedEngine(EngineClient):
             return self.replicas[0].status()
         return f"serving ({serving} of {len(self.replicas)} replicas)" if serving else "down"
 
-    def placement(self) -> dict[str, Any]:
-        """Each replica's worker, health and load (`treadle status`, the console)."""
+    def replicas_status(self) -> list[ReplicaStatus]:
+        """Each replica's worker, health and load (`treadle status`)."""
         with self._lock:
             placed = dict(self._placed)
         out = []
         for i, r in enumerate(self.replicas):
             hello = r.worker
-            out.append(
-                {
-                    "replica": i,
-                    "status": r.status(),
-                    "worker_pid": hello.pid if hello else None,
-                    "device": hello.device if hello else None,
-                    "models": sorted(m for m, owner in placed.items() if owner is r),
-                    "queue_depth": len(r.unfinished()),
-                }
-            )
-        return {"model": self._name, "replicas": out}
+            mine = tuple(sorted(m for m, owner in placed.items() if owner is r))
+            pid, device = (hello.pid, hello.device) if hello else (None, None)
+            out.append(ReplicaStatus(i, r.status(), pid, device, mine, len(r.unfinished())))
+        return out
 
     # ---- the hub's side ----
     def slot_for(self, replica: int) -> RemoteEngine:

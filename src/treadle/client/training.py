@@ -7,6 +7,9 @@
 Every call returns an APIFuture at once. Calls get seq_ids 1, 2, ... in call order (the
 model's creation was 0) and are sent in that order by a background submitter; the server runs
 them in seq_id order, so a loop may queue several before waiting on any.
+
+The checkpoint calls (save/load state, sampler weights, sampling clients) are in
+training_checkpoints.py, the local half of forward_backward_custom in custom_loss.py.
 """
 
 from __future__ import annotations
@@ -21,19 +24,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from treadle.client.chunks import MAX_CHUNK_BYTES, MAX_CHUNK_LEN, combine_outputs, split_chunks
+from treadle.client.custom_loss import CustomLossFn, _ce_datum, _custom_weights, _zero_weights
 from treadle.client.futures import APIFuture
-from treadle.client.sampling import SamplingClient
 from treadle.client.submitter import Job, OrderedSubmitter, Submission
 from treadle.client.tokenizer import load_tokenizer
+from treadle.client.training_checkpoints import CheckpointCalls
 from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     GetInfoResponse,
-    LoadWeightsResponse,
     OptimStepResponse,
-    SaveWeightsForSamplerResponse,
-    SaveWeightsResponse,
 )
 from treadle.wire import codec
 from treadle.wire import requests as rq
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("treadle.client")
 
-# fn(data, logprobs_list) -> (loss, metrics); logprobs_list[i] is a torch tensor shaped like
-# data[i]'s target_tokens.
-CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
-
 
 def _as_data(data: Sequence[Datum | dict]) -> list[Datum]:
     if not data:
@@ -54,7 +51,7 @@ def _as_data(data: Sequence[Datum | dict]) -> list[Datum]:
     return [d if isinstance(d, Datum) else Datum.model_validate(d) for d in data]
 
 
-class TrainingClient:
+class TrainingClient(CheckpointCalls):
     def __init__(self, service: ServiceClient, model_id: str, info: GetInfoResponse):
         self._service = service
         self._transport = service.transport
@@ -241,134 +238,6 @@ class TrainingClient:
             OptimStepResponse.model_validate,
         )
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
-    def _name(self, kind: str, name: str | None) -> str:
-        """`name`, or a default unique among this client's saves of `kind`: "step-000012"
-        after 12 optim_steps (then "step-000012-2", ... for more saves at that step)."""
-        with self._names_lock:
-            used = self._names[kind]
-            if name is None:
-                base = name = f"step-{self._steps:06d}"
-                n = 1
-                while name in used:
-                    n += 1
-                    name = f"{base}-{n}"
-            used.add(name)
-            return name
-
-    def save_state(
-        self,
-        name: str | None = None,
-        ttl_seconds: int | None = None,
-        overwrite: bool = False,
-        user_metadata: dict[str, str] | None = None,
-    ) -> APIFuture[SaveWeightsResponse]:
-        """Adapter + optimizer state → `.path` = tinker://<run>/weights/<name>; without a
-        name, "step-<optim steps so far>" (unique among this client's saves)."""
-        name = self._name("state", name)
-        return self._json_op(
-            "/api/v1/save_weights",
-            "SaveWeights",
-            lambda seq: rq.SaveWeightsRequest(
-                model_id=self.model_id,
-                path=name,
-                seq_id=seq,
-                ttl_seconds=ttl_seconds,
-                overwrite=overwrite,
-                user_metadata=user_metadata,
-            ),
-            SaveWeightsResponse.model_validate,
-        )
-
-    def _load(self, path: str, optimizer: bool) -> APIFuture[LoadWeightsResponse]:
-        return self._json_op(
-            "/api/v1/load_weights",
-            "LoadWeights",
-            lambda seq: rq.LoadWeightsRequest(
-                model_id=self.model_id, seq_id=seq, path=path, optimizer=optimizer
-            ),
-            LoadWeightsResponse.model_validate,
-        )
-
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Replace this adapter's weights with a checkpoint's (optimizer state reset)."""
-        return self._load(path, optimizer=False)
-
-    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Replace weights and Adam state with a checkpoint's."""
-        return self._load(path, optimizer=True)
-
-    def save_weights_for_sampler(
-        self,
-        name: str | None = None,
-        ttl_seconds: int | None = None,
-        user_metadata: dict[str, str] | None = None,
-        *,
-        merge_weights: bool = False,
-    ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """A durable PEFT adapter → `.path` = tinker://<run>/sampler_weights/<name>; without
-        a name, "step-<optim steps so far>" (unique among this client's saves).
-
-        `merge_weights=True` also publishes a merged, deployable HF model folder as a
-        version of the client's model package group (needs one)."""
-        name = self._name("sampler", name)
-        return self._json_op(
-            "/api/v1/save_weights_for_sampler",
-            "SaveWeightsForSampler",
-            lambda seq: rq.SaveWeightsForSamplerRequest(
-                model_id=self.model_id,
-                path=name,
-                seq_id=seq,
-                ttl_seconds=ttl_seconds,
-                user_metadata=user_metadata,
-                merge_weights=merge_weights,
-            ),
-            SaveWeightsForSamplerResponse.model_validate,
-        )
-
-    def save_weights_and_get_sampling_client(
-        self, name: str | None = None, record_stability_info: bool = False
-    ) -> SamplingClient:
-        """Snapshot the current weights (in memory) and return a client sampling from them.
-
-        Waits for the ops queued before it; `name` is accepted for compatibility and ignored.
-        `record_stability_info`: as ServiceClient.create_sampling_client.
-        """
-        _, sampling_seq = self._service.next_sampling_seq_id()
-        fut = self._json_op(
-            "/api/v1/save_weights_for_sampler",
-            "SaveWeightsForSampler",
-            lambda seq: rq.SaveWeightsForSamplerRequest(
-                model_id=self.model_id, seq_id=seq, sampling_session_seq_id=sampling_seq
-            ),
-            SaveWeightsForSamplerResponse.model_validate,
-        )
-        reply = fut.result()
-        if not reply.sampling_session_id:
-            raise RuntimeError(
-                "save_weights_for_sampler: the server returned no sampling_session_id"
-            )
-        return SamplingClient(
-            self._transport,
-            reply.sampling_session_id,
-            self.base_model,
-            record_stability_info=record_stability_info,
-        )
-
-    def create_sampling_client(
-        self, model_path: str | None = None, record_stability_info: bool = False
-    ) -> SamplingClient:
-        """Sample from saved sampler weights, or, with no path, from this session's weights
-        as they are now (an in-memory snapshot on the server)."""
-        if model_path is None:
-            return self.save_weights_and_get_sampling_client(
-                record_stability_info=record_stability_info
-            )
-        return self._service.create_sampling_client(
-            model_path=model_path, record_stability_info=record_stability_info
-        )
-
     # ---- metrics -------------------------------------------------------------------------
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
@@ -426,41 +295,3 @@ def _decode_outputs(raw: list[bytes | dict]) -> ForwardBackwardOutput:
             raise RuntimeError(f"forward_backward: expected a protobuf result, got {item!r:.200}")
         outs.append(codec.decode_forward_backward_output(item))
     return combine_outputs(outs)
-
-
-def _zero_weights(datum: Datum) -> np.ndarray:
-    if "target_tokens" not in datum.loss_fn_inputs:
-        raise ValueError("loss_fn_inputs: forward_backward_custom needs 'target_tokens'")
-    return np.zeros(datum.loss_fn_inputs["target_tokens"].to_numpy().shape, dtype=np.float32)
-
-
-def _ce_datum(datum: Datum, weights: np.ndarray) -> Datum:
-    return Datum(
-        model_input=datum.model_input,
-        loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": weights},
-    )
-
-
-def _custom_weights(
-    data: list[Datum], loss_fn: CustomLossFn, fwd_out: ForwardBackwardOutput
-) -> tuple[list[Datum], float, dict[str, float]]:
-    """Run the user's loss on the forward's logprobs; weights = -dL/dlogprobs per datum.
-
-    The server's cross-entropy is sum(-w * logprobs), so its gradient with these weights is
-    exactly dL/dparams by the chain rule.
-    """
-    try:
-        import torch
-    except ImportError as exc:
-        raise ImportError("forward_backward_custom needs torch (pip install torch)") from exc
-    logprobs_D = [
-        torch.tensor(out["logprobs"].to_numpy(), dtype=torch.float32).requires_grad_(True)
-        for out in fwd_out.loss_fn_outputs
-    ]
-    loss, metrics = loss_fn(data, logprobs_D)
-    loss.backward()
-    weighted = []
-    for datum, lp in zip(data, logprobs_D, strict=True):
-        grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
-        weighted.append(_ce_datum(datum, (-grad).numpy()))
-    return weighted, float(loss.detach().sum()), {k: float(v) for k, v in metrics.items()}

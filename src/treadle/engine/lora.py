@@ -30,136 +30,47 @@ layer (base rows) add an exact zero that no arithmetic produced, so they get the
 output; a fresh adapter (B = 0) is the base. Inside one rows() context under no_grad each
 layer's grouped weights are built once and reused across calls: do not change adapter
 weights in place inside such a context.
+
+This module holds the bank (adapters, snapshots, the routing and the layer forward it
+installs); the pieces it uses live beside it, and their public names are importable from
+here too: lora_adapters (Adapter, LoraPair, the target classes and the finiteness checks),
+lora_kernels (the single-adapter path: fused autograd functions, the merge rule),
+lora_routing (the multi-adapter paths: segmented and grouped).
 """
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.engine.lora_adapters import (
+    ATTN,
+    MLP,
+    UNEMBED,
+    Adapter,
+    LoraPair,
+    _check_spec,
+    classify_linear_modules,
+    init_lora_a,
+    unsafe_layer,
+)
+from treadle.engine.lora_adapters import tensor_peaks as tensor_peaks  # re-exported
+from treadle.engine.lora_kernels import (
+    DECODE_MAX_TOKENS,
+    _delta,
+    _LoraLinear,
+    _merged_weight,
+    merge_is_cheaper,
+)
+from treadle.engine.lora_kernels import _LoraDelta as _LoraDelta  # re-exported
+from treadle.engine.lora_routing import _grouped, _Route, _segmented_delta
 from treadle.engine.types import LoraSpec
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
-
-ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"
-_ATTN_PARTS = ("attn", "attention")
-_MLP_PARTS = ("mlp", "feed_forward", "ffn")
-
-
-@dataclass
-class LoraPair:
-    """The update of one nn.Linear: W x + scale * B (A x)."""
-
-    A: torch.Tensor  # (r, in)
-    B: torch.Tensor  # (out, r)
-    scale: float
-
-
-@dataclass
-class Adapter:
-    """A live adapter (nn.Parameters that train) or a snapshot (detached frozen tensors)."""
-
-    id: str
-    spec: LoraSpec
-    layers: dict[str, LoraPair]  # module path -> pair, sorted by path
-    trainable: bool
-    extra: dict = field(default_factory=dict)  # free slot for the trainer (optimizer, step)
-
-    def parameters(self) -> list[torch.Tensor]:
-        """A and B of each module, in module-path order (the order optimizer state uses)."""
-        out: list[torch.Tensor] = []
-        for pair in self.layers.values():
-            out += [pair.A, pair.B]
-        return out
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-
-@dataclass
-class _Route:
-    """How the rows of the next model calls map to adapters.
-
-    Rows are cut into contiguous segments of one key each (after a permutation when a key's
-    rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
-    per segment and concatenates: forward and backward stay linear in the batch size.
-    Decode steps take the grouped path instead (_grouped), which reads `slots`.
-    """
-
-    n_rows: int
-    whole: Adapter | None  # set when every row uses this one adapter (no indexing)
-    segments: list[tuple[Adapter | None, int]]  # (adapter or None for base, rows), in order
-    perm: torch.Tensor | None = None  # (B,) row order that makes segments contiguous
-    inverse: torch.Tensor | None = None  # (B,) undoes perm
-    slots: list[int] = field(default_factory=list)  # segment index of each row
-    cache: dict = field(default_factory=dict)  # per-route layouts and weights of _grouped
-
-
-# Rows this short are decoding: a single adapter keeps the low-rank product (merging would
-# rebuild W + s B A on every step for a token or two, see merge_is_cheaper).
-DECODE_MAX_TOKENS = 8
-
-
-def merge_is_cheaper(
-    n_tokens: int, n_in: int, n_out: int, rank: int, grad_weights: bool, grad_input: bool
-) -> bool:
-    """Whether `x @ (W + s B A)^T` costs fewer FLOPs than `x W^T + s (x A^T) B^T`.
-
-    Multiply-adds of one layer call over N tokens, io = in*out, lo = rank*(in+out):
-    - forward: unmerged N*io + N*lo; merged r*io (B @ A) + N*io;
-    - input gradient: N*io both, plus N*lo for the product (dY B, then dH A);
-    - A/B gradients: the product needs dY B (if not already done), dY^T H and dH^T x; the
-      merged path needs dW = dY^T x (N*io) and then B^T dW, dW A^T (2 r*io).
-    Forward only this is N > io / (in+out): a token count, whatever the rank. Training (both
-    gradients) it is N * (3 lo - io) > 3 r io: for long batches rank*(in+out) > in*out / 3.
-    The merged weight kept for backward is one layer's size, less than the adapter's A, B,
-    their gradients and AdamW moments (4 lo) whenever training merges (3 lo > io).
-    """
-    io, lo = n_in * n_out, rank * (n_in + n_out)
-    unmerged = n_tokens * (io + lo)
-    merged = rank * io + n_tokens * io
-    if grad_input:
-        unmerged += n_tokens * (io + rank * n_in)
-        merged += n_tokens * io
-    if grad_input or grad_weights:
-        unmerged += n_tokens * rank * n_out
-    if grad_weights:
-        unmerged += n_tokens * lo
-        merged += n_tokens * io + 2 * rank * io
-    return merged < unmerged
-
-
-def classify_linear_modules(model: nn.Module) -> dict[str, str]:
-    """Module path -> ATTN | MLP | UNEMBED for every nn.Linear LoRA may target.
-
-    Attention and MLP projections are recognised by a parent named like `self_attn` / `mlp`,
-    which covers Llama, Qwen, Mistral and Gemma; the unembedding is get_output_embeddings().
-    """
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        if module is out_emb:
-            found[name] = UNEMBED
-            continue
-        parents = name.split(".")[:-1]
-        if any(any(p in part for p in _ATTN_PARTS) for part in parents):
-            found[name] = ATTN
-        elif any(any(p in part for p in _MLP_PARTS) for part in parents):
-            found[name] = MLP
-    return dict(sorted(found.items()))
-
-
-def init_lora_a(A: torch.Tensor, generator: torch.Generator) -> None:
-    """PEFT's default init of lora_A (kaiming-uniform, a=sqrt(5)), from our own generator."""
-    nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
 
 
 class AdapterBank:
@@ -443,252 +354,3 @@ class AdapterBank:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
-    """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out).
-
-    None when no row has a LoRA on this layer.
-    """
-    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
-    if all(p is None for p in pairs):
-        return None
-    xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
-    pieces = xs.split([n for _, n in route.segments])
-    deltas = [
-        None if pair is None else _delta(piece, pair)  # (n, T, out)
-        for pair, piece in zip(pairs, pieces, strict=True)
-    ]
-    real = next(d for d in deltas if d is not None)
-    # rows without a LoRA here add an exact zero: the arithmetic of the one-adapter path
-    delta = torch.cat(
-        [
-            d if d is not None else real.new_zeros((p.shape[0], *real.shape[1:]))
-            for d, p in zip(deltas, pieces, strict=True)
-        ]
-    )  # (B, T, out)
-    return delta if route.inverse is None else delta.index_select(0, route.inverse)
-
-
-@dataclass
-class _Groups:
-    """The rows of one layer call that have a LoRA there, as G groups of `size` rows, every
-    group of one adapter (segment). Groups shorter than `size` repeat their own first row,
-    whose extra result is dropped: padding never borrows another adapter's row."""
-
-    segments: list[int]  # (G,) the segment of each group
-    size: int
-    src: torch.Tensor | None  # (G*size,) batch row read into each group slot; None: identity
-    # (B,) the group slot of each batch row, G*size (an appended zero row) for rows with no
-    # LoRA on this layer; None: identity
-    dst: torch.Tensor | None
-
-
-def _group_rows(slots: list[int], present: tuple[bool, ...], device: torch.device) -> _Groups:
-    """Groups of at most ceil(rows / adapters) rows: an adapter with many rows gets several
-    groups, so padding costs at most about as many rows as the batch has."""
-    rows_of: dict[int, list[int]] = {}
-    for i, s in enumerate(slots):
-        if present[s]:
-            rows_of.setdefault(s, []).append(i)
-    size = -(-sum(len(r) for r in rows_of.values()) // len(rows_of))
-    segments: list[int] = []
-    src: list[int] = []
-    for s, rows in sorted(rows_of.items()):
-        for k in range(0, len(rows), size):
-            chunk = rows[k : k + size]
-            segments.append(s)
-            src += chunk + [chunk[0]] * (size - len(chunk))
-    if src == list(range(len(slots))):
-        return _Groups(segments, size, None, None)
-    dst = [len(src)] * len(slots)
-    for pos in reversed(range(len(src))):  # the first slot of a row, not its padding copies
-        dst[src[pos]] = pos
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    return _Groups(segments, size, as_tensor(src), as_tensor(dst))
-
-
-def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's own A^T and scale * B, zero-padded to the largest rank among them:
-    (G, in, r), and (G, out, r) for groups of one row else (G, r, out), the layouts that
-    _grouped reads fastest. Built under no_grad, into fresh tensors."""
-    ranks = {s: pairs[s].A.shape[0] for s in groups.segments}
-    r, first = max(ranks.values()), pairs[groups.segments[0]]
-    n_in, n_out, G = first.A.shape[1], first.B.shape[0], len(groups.segments)
-    new = first.A.new_zeros if min(ranks.values()) < r else first.A.new_empty
-    a_g = new((G, n_in, r))
-    b_g = new((G, n_out, r) if groups.size == 1 else (G, r, n_out))
-    for g, s in enumerate(groups.segments):
-        pair, k = pairs[s], ranks[s]
-        a_g[g, :, :k] = pair.A.t()
-        if groups.size == 1:
-            torch.mul(pair.B, pair.scale, out=b_g[g, :, :k])
-        else:
-            torch.mul(pair.B.t(), pair.scale, out=b_g[g, :k, :])
-    return a_g, b_g
-
-
-def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
-    """out + scale * B(A x) of every row with its own adapter, for one token per row: the
-    rows are gathered into groups of one adapter each, then x_g @ A_g^T and (s B_g) @ h run
-    as two batched matmuls over the groups. Each row only ever meets its own adapter's
-    weights; rows without a LoRA on this layer return `out` as it is. No-grad calls only:
-    the layout and the weights are built once per route and layer, then reused.
-    """
-    entry = route.cache.get(path)
-    if entry is None:
-        pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
-        present = tuple(p is not None for p in pairs)
-        entry = (None, None, None)
-        if any(present):
-            groups = route.cache.get(present)
-            if groups is None:  # the same for every layer that the same adapters target
-                groups = route.cache[present] = _group_rows(route.slots, present, x.device)
-            entry = (groups, *_group_weights(pairs, groups))
-        route.cache[path] = entry
-    groups, a_g, b_g = entry
-    if groups is None:
-        return out
-    B, G, size = x.shape[0], a_g.shape[0], groups.size
-    n_in, n_out = a_g.shape[1], out.shape[-1]
-    if groups.src is None and size == 1 and out.dtype == x.dtype == a_g.dtype:
-        # the common decode step, each row its own group: (G, out, r) @ (G, r, 1) reads B
-        # fastest here, into the (G, out, 1) view of out: the add fuses into the matmul
-        h = torch.bmm(x, a_g)  # (B, 1, r)
-        return torch.baddbmm(out.transpose(1, 2), b_g, h.transpose(1, 2)).transpose(1, 2)
-    xs = x.to(a_g.dtype).reshape(B, n_in)  # (B, in)
-    if groups.src is not None:
-        xs = xs.index_select(0, groups.src)  # (G*size, in)
-    h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
-    if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
-        delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
-    elif groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
-        return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
-    else:
-        delta = torch.bmm(h, b_g)  # (G, size, out)
-    delta = delta.reshape(G * size, n_out)
-    if groups.dst is not None:
-        zero = delta.new_zeros((1, n_out))  # the exact zero of the rows without LoRA here
-        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, out)
-    return (out + delta.reshape(out.shape)).to(out.dtype)
-
-
-def _merged_weight(module: nn.Linear, pair: LoraPair) -> torch.Tensor:
-    """W + scale * B @ A as a new tensor (W may be a tied embedding: never written), summed in
-    the adapter's dtype, then in the base's dtype for the one matmul. (out, in)
-
-    Not cached under no_grad like the stacked weights: the sampler opens one rows() context
-    per prefill, and decode steps never merge, so a cache would only hold a copy of every
-    targeted weight until the context ends.
-    """
-    W = module.weight  # (out, in)
-    return torch.addmm(W.to(pair.A.dtype), pair.B, pair.A, alpha=pair.scale).to(W.dtype)
-
-
-class _LoraLinear(torch.autograd.Function):
-    """x W^T + b + scale * (x A^T) B^T for one adapter on a frozen nn.Linear, all of one
-    dtype: the base call plus _delta's numbers, in fewer passes over the output.
-
-    The (N, r) product is scaled, not the (N, out) update, and the update is accumulated
-    into the base matmul's result by addmm (no separate add). Backward as _LoraDelta's.
-    """
-
-    @staticmethod
-    def forward(ctx, x, W, b, A, B, scale):
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        hs = (x2 @ A.t()).mul_(scale)  # (N, r)
-        y = x2 @ W.t() if b is None else torch.addmm(b, x2, W.t())  # (N, out)
-        y.addmm_(hs, B.t())
-        ctx.save_for_backward(x2, W, A, B, hs)
-        ctx.scale, ctx.in_shape = scale, x.shape
-        return y.view(*x.shape[:-1], W.shape[0])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2, W, A, B, hs = ctx.saved_tensors
-        need_x, _, need_bias, need_a, need_b, _ = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
-        dx, dA, dB = _lora_grads(dy2, x2, A, B, hs, ctx.scale, need_x, need_a, need_b)
-        if need_x:  # summed as autograd sums the base's and _LoraDelta's: the same numbers
-            dx = (dy2 @ W).add_(dx).view(ctx.in_shape)  # (..., in)
-        db = dy2.sum(0) if need_bias else None
-        return dx, None, db, dA, dB, None
-
-
-class _LoraDelta(torch.autograd.Function):
-    """scale * (x A^T) B^T, the (N, r) product scaled, with a backward whose skinny matmuls
-    run with their long dimension inner (r x N @ N x out, then transposed): BLAS runs those
-    several times faster than the (out x N) @ (N x r) layout autograd picks, which on a
-    large unembedding cost more than the rest of the LoRA."""
-
-    @staticmethod
-    def forward(ctx, x, A, B, scale):
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        hs = (x2 @ A.t()).mul_(scale)  # (N, r)
-        ctx.save_for_backward(x2, A, B, hs)
-        ctx.scale, ctx.in_shape = scale, x.shape
-        return (hs @ B.t()).view(*x.shape[:-1], B.shape[0])  # (..., out)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2, A, B, hs = ctx.saved_tensors
-        need_x, need_a, need_b, _ = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
-        dx, dA, dB = _lora_grads(dy2, x2, A, B, hs, ctx.scale, need_x, need_a, need_b)
-        return None if dx is None else dx.view(ctx.in_shape), dA, dB, None
-
-
-def _lora_grads(dy2, x2, A, B, hs, scale, need_x, need_a, need_b):
-    """(dX from the update only, dA, dB) of scale * (x A^T) B^T, each None when not needed."""
-    dx = dA = dB = None
-    if need_b:
-        dB = (hs.t() @ dy2).t().contiguous()  # (out, r)
-    if need_a or need_x:
-        dh = (B.t() @ dy2.t()).t().mul(scale)  # (N, r)
-        if need_a:
-            dA = dh.t() @ x2  # (r, in)
-        if need_x:
-            dx = dh @ A  # (N, in)
-    return dx, dA, dB
-
-
-def _delta(x: torch.Tensor, pair: LoraPair) -> torch.Tensor:
-    """scale * B(A x) in the adapter's dtype (PEFT casts the input the same way). The scale
-    multiplies the rank-r product, as _LoraLinear does: rows of one adapter get the same
-    numbers whether their call takes this path or that one."""
-    return _LoraDelta.apply(x.to(pair.A.dtype), pair.A, pair.B, pair.scale)  # (..., out)
-
-
-def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:
-    """max |x| of each tensor, nan or inf where it is not finite: one host sync for all."""
-    if not tensors:
-        return []
-    # abs().amax() propagates NaN and is several times faster here than an inf-norm or isfinite
-    return torch.stack([t.detach().abs().amax().float() for t in tensors]).tolist()
-
-
-def unsafe_layer(layers: dict[str, LoraPair]) -> str | None:
-    """The first layer whose A, B or update scale * B A may not be finite (None: all safe).
-
-    Every entry of the update is at most |scale| * rank * max|A| * max|B|; keeping that under
-    the adapter dtype's largest value keeps the update and the merged weight W + s B A of
-    the single-adapter path finite, not just A and B (after learning_rate 1e30 both are
-    still finite, around 1e30, while B A overflows).
-    """
-    pairs = list(layers.items())
-    peaks = tensor_peaks([t for _, pair in pairs for t in (pair.A, pair.B)])
-    for i, (path, pair) in enumerate(pairs):
-        a, b = peaks[2 * i], peaks[2 * i + 1]
-        bound = abs(pair.scale) * pair.A.shape[0] * a * b
-        if not (math.isfinite(bound) and bound <= torch.finfo(pair.A.dtype).max):
-            return f"{path}: max |A| {a:.3g}, max |B| {b:.3g}, scale {pair.scale:.3g}"
-    return None
-
-
-def _check_spec(spec: LoraSpec) -> None:
-    if not isinstance(spec.rank, int) or spec.rank < 1:
-        raise InvalidRequestError(f"lora rank must be an integer >= 1, got {spec.rank!r}")
-    if not math.isfinite(spec.alpha) or spec.alpha <= 0:
-        raise InvalidRequestError(f"lora alpha must be a finite number > 0, got {spec.alpha!r}")

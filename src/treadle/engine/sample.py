@@ -29,29 +29,26 @@ Logprobs reported for sampled tokens are log_softmax of the raw logits in fp32, 
 temperature / top-k / top-p adjusted distribution: the trainer computes exactly this quantity
 for the same tokens, so importance ratios between sampler and trainer are 1 when the weights
 are the same.
+
+Here: the DecodeBatch, and the model passes of add (score, prefill); the plan of add is in
+sample_plan.py, the building of decode rows in sample_cohort.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from treadle.engine.decode import Cohort, cache_arg, join, joinable
-from treadle.engine.sample_utils import (
-    StopStringMatcher,
-    alt_tokens_of_row,
-    preallocate,
-    prompt_logprobs_of_row,
-    target_logprobs_of_row,
-    validate_request,
-)
+from treadle.engine.sample_cohort import _cohort
+from treadle.engine.sample_plan import _Plan, _plan
+from treadle.engine.sample_utils import preallocate, validate_request
 from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
 
 # Scoring prefills are split so that their full (rows, T, V) logits stay under this many
@@ -216,78 +213,7 @@ class DecodeBatch:
                 del self._pending[h]
 
 
-# ---- add, phase by phase ---------------------------------------------------------------------
-
-
-@dataclass
-class _Plan:
-    """The prefill rows of one add(): one per distinct (adapter, prompt)."""
-
-    keys: list[tuple[str | None, tuple[int, ...]]]
-    row_of_req: list[int]  # each request's row; -1 when it needs no model work
-    topks: dict[int, set[int]]  # row → the top-K sizes its requests ask for (0: none)
-    per_request: dict[int, list[int]]  # row → requests with target ids or alt draws
-    generating: list[bool]  # per row: some request decodes from it
-    # prompt logprobs, once per (row, top-K) even when several requests share the row
-    memo: dict[tuple[int, int], tuple[list, list | None]] = field(default_factory=dict)
-
-    def collect(
-        self,
-        logits: torch.Tensor,
-        rows: list[int],
-        T: int,
-        requests: list[SampleRequest],
-        results: list[SampleResult],
-    ) -> None:
-        """What the (len(rows), T, V) prefill logits give: prompt logprobs, target logprobs,
-        alternative draws."""
-        for local, r in enumerate(rows):
-            prompt = self.keys[r][1]
-            for k in self.topks.get(r, ()):
-                self.memo[(r, k)] = prompt_logprobs_of_row(logits[local], prompt, T, k)
-            for i in self.per_request.get(r, ()):
-                req, res = requests[i], results[i]
-                if req.target_prompt_ids is not None:
-                    res.target_prompt_logprobs = target_logprobs_of_row(
-                        logits[local], len(prompt), T, req.target_prompt_ids
-                    )
-                if req.prompt_alt_tokens_k > 0:
-                    sp = req.params
-                    res.prompt_alt_tokens = alt_tokens_of_row(
-                        logits[local], len(prompt), T, req.prompt_alt_tokens_k,
-                        sp.temperature, sp.seed,
-                    )  # fmt: skip
-
-    def fill_prompt_logprobs(
-        self, requests: list[SampleRequest], results: list[SampleResult]
-    ) -> None:
-        for i, req in enumerate(requests):
-            if _wants_prompt_logprobs(req):
-                lps, topk = self.memo[(self.row_of_req[i], req.topk_prompt_logprobs)]
-                if req.prompt_logprobs:
-                    results[i].prompt_logprobs = lps
-                if req.topk_prompt_logprobs > 0:
-                    results[i].topk_prompt_logprobs = topk
-
-
-def _plan(requests: list[SampleRequest]) -> _Plan:
-    row_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
-    row_of_req: list[int] = []
-    for req in requests:
-        if _wants_prompt_logprobs(req) or req.params.max_tokens > 0:
-            key = (req.adapter, tuple(req.prompt))
-            row_of_req.append(row_of.setdefault(key, len(row_of)))
-        else:
-            row_of_req.append(-1)
-    plan = _Plan(list(row_of), row_of_req, {}, {}, [False] * len(row_of))
-    for i, (req, r) in enumerate(zip(requests, row_of_req, strict=True)):
-        if _wants_prompt_logprobs(req):
-            plan.topks.setdefault(r, set()).add(req.topk_prompt_logprobs)
-        if req.target_prompt_ids is not None or req.prompt_alt_tokens_k > 0:
-            plan.per_request.setdefault(r, []).append(i)
-        if req.params.max_tokens > 0:
-            plan.generating[r] = True
-    return plan
+# ---- add, its model passes (the plan: sample_plan.py, the decode rows: sample_cohort.py) --
 
 
 def _score(
@@ -343,88 +269,6 @@ def _prefill_and_expand(
     )
 
 
-def _cohort(
-    engine: Any,
-    requests: list[SampleRequest],
-    handles: list[int],
-    stream: list[bool],
-    logits: torch.Tensor,
-    cache: Any,
-    T: int,
-) -> Cohort:
-    """Decode rows (one per sample, request-major) over a prefill of padded length T whose
-    cache rows and next-token logits (N, V) are already one per sample."""
-    device = logits.device
-    V = int(engine.vocab_size)
-    eos = [int(t) for t in engine.eos_token_ids]
-    M = max(r.params.max_tokens for r in requests)
-    W = M + 1  # the spare last column is where finished rows write
-    owner, keys, topk, matchers = [], [], [], []
-    plen, temp, greedy, top_k, top_p, maxtok, stops, unif, streamed = ([] for _ in range(9))
-    for h, req, st in zip(handles, requests, stream, strict=True):
-        sp = req.params
-        # One generator per request, drawn on the CPU: sample j of a request with a given seed
-        # gets the same uniforms whatever else is in the batch and whatever the device.
-        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        u = torch.rand(req.num_samples, sp.max_tokens, generator=gen)  # (num_samples, m)
-        u = torch.nn.functional.pad(u, (0, W - sp.max_tokens))  # (num_samples, W)
-        stop_ids = list(dict.fromkeys(sp.stop_tokens + (eos if sp.stop_at_eos else [])))
-        for j in range(req.num_samples):
-            owner.append((h, j))
-            keys.append(req.adapter)
-            topk.append(req.topk_sample_logprobs)
-            matchers.append(
-                StopStringMatcher(engine.tokenizer, sp.stop_strings) if sp.stop_strings else None
-            )
-            plen.append(len(req.prompt))
-            temp.append(sp.temperature if sp.temperature > 0 else 1.0)
-            greedy.append(sp.temperature == 0)
-            top_k.append(sp.top_k if sp.top_k > 0 else V)
-            top_p.append(sp.top_p)
-            maxtok.append(sp.max_tokens)
-            stops.append(stop_ids)
-            unif.append(u[j])
-            streamed.append(st)
-    N, S, K = len(owner), max(1, max(len(s) for s in stops)), max(topk)
-    stop_t = torch.full((N, S), -1, dtype=torch.long)
-    for r, s in enumerate(stops):
-        stop_t[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-    plen_t = torch.tensor(plen, dtype=torch.long)
-    mask = torch.ones(N, T + M, dtype=torch.long)  # (N, T + M), the cache's capacity
-    mask[:, :T] = (torch.arange(T)[None, :] >= (T - plen_t)[:, None]).long()
-
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    return Cohort(
-        owner=owner,
-        keys=keys,
-        topk=topk,
-        matchers=matchers,
-        cache=cache,
-        length=T,
-        mask=mask.to(device),
-        logits=logits,
-        prompt_len=plen_t.to(device),
-        temperature=t(temp, torch.float32),
-        greedy=t(greedy, torch.bool),
-        top_k=t(top_k, torch.long),
-        top_p=t(top_p, torch.float32),
-        max_tokens=t(maxtok, torch.long),
-        stop_ids=stop_t.to(device),
-        uniforms=torch.stack(unif).to(device),
-        stream=t(streamed, torch.bool),
-        step=torch.zeros(N, dtype=torch.long, device=device),
-        done=torch.zeros(N, dtype=torch.bool, device=device),
-        stopped=torch.zeros(N, dtype=torch.bool, device=device),
-        tokens=torch.zeros(N, W, dtype=torch.long, device=device),
-        logprobs=torch.zeros(N, W, dtype=torch.float32, device=device),
-        top_ids=torch.zeros(N, W, K, dtype=torch.long, device=device),
-        top_lp=torch.zeros(N, W, K, dtype=torch.float32, device=device),
-    )
-
-
 def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]]:
     """Split rows (sorted longest first) so that each chunk's padded logits fit the budget."""
     chunks: list[list[int]] = []
@@ -435,16 +279,6 @@ def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]
             T = n
         chunks[-1].append(r)
     return chunks
-
-
-def _wants_prompt_logprobs(req: SampleRequest) -> bool:
-    """Whether the request needs the prefill's logits at every prompt position."""
-    return (
-        req.prompt_logprobs
-        or req.topk_prompt_logprobs > 0
-        or req.target_prompt_ids is not None
-        or req.prompt_alt_tokens_k > 0
-    )
 
 
 def _prefill(

@@ -1,0 +1,164 @@
+"""The multi-adapter paths of a LoRA layer: a call whose rows use several adapters.
+
+_Route is what AdapterBank.rows() plans (treadle.engine.lora); each LoRA layer then reads
+it: calls with several tokens per row or with gradients split the rows by adapter
+(_segmented_delta), decode steps without gradients gather them into groups of one adapter
+and run two batched matmuls for all groups (_grouped, the BGMV / SGMV shape). No path
+multiplies a row by another adapter's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treadle.engine.lora_adapters import Adapter
+from treadle.engine.lora_kernels import _delta
+
+
+@dataclass
+class _Route:
+    """How the rows of the next model calls map to adapters.
+
+    Rows are cut into contiguous segments of one key each (after a permutation when a key's
+    rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
+    per segment and concatenates: forward and backward stay linear in the batch size.
+    Decode steps take the grouped path instead (_grouped), which reads `slots`.
+    """
+
+    n_rows: int
+    whole: Adapter | None  # set when every row uses this one adapter (no indexing)
+    segments: list[tuple[Adapter | None, int]]  # (adapter or None for base, rows), in order
+    perm: torch.Tensor | None = None  # (B,) row order that makes segments contiguous
+    inverse: torch.Tensor | None = None  # (B,) undoes perm
+    slots: list[int] = field(default_factory=list)  # segment index of each row
+    cache: dict = field(default_factory=dict)  # per-route layouts and weights of _grouped
+
+
+def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
+    """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out).
+
+    None when no row has a LoRA on this layer.
+    """
+    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+    if all(p is None for p in pairs):
+        return None
+    xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
+    pieces = xs.split([n for _, n in route.segments])
+    deltas = [
+        None if pair is None else _delta(piece, pair)  # (n, T, out)
+        for pair, piece in zip(pairs, pieces, strict=True)
+    ]
+    real = next(d for d in deltas if d is not None)
+    # rows without a LoRA here add an exact zero: the arithmetic of the one-adapter path
+    delta = torch.cat(
+        [
+            d if d is not None else real.new_zeros((p.shape[0], *real.shape[1:]))
+            for d, p in zip(deltas, pieces, strict=True)
+        ]
+    )  # (B, T, out)
+    return delta if route.inverse is None else delta.index_select(0, route.inverse)
+
+
+@dataclass
+class _Groups:
+    """The rows of one layer call that have a LoRA there, as G groups of `size` rows, every
+    group of one adapter (segment). Groups shorter than `size` repeat their own first row,
+    whose extra result is dropped: padding never borrows another adapter's row."""
+
+    segments: list[int]  # (G,) the segment of each group
+    size: int
+    src: torch.Tensor | None  # (G*size,) batch row read into each group slot; None: identity
+    # (B,) the group slot of each batch row, G*size (an appended zero row) for rows with no
+    # LoRA on this layer; None: identity
+    dst: torch.Tensor | None
+
+
+def _group_rows(slots: list[int], present: tuple[bool, ...], device: torch.device) -> _Groups:
+    """Groups of at most ceil(rows / adapters) rows: an adapter with many rows gets several
+    groups, so padding costs at most about as many rows as the batch has."""
+    rows_of: dict[int, list[int]] = {}
+    for i, s in enumerate(slots):
+        if present[s]:
+            rows_of.setdefault(s, []).append(i)
+    size = -(-sum(len(r) for r in rows_of.values()) // len(rows_of))
+    segments: list[int] = []
+    src: list[int] = []
+    for s, rows in sorted(rows_of.items()):
+        for k in range(0, len(rows), size):
+            chunk = rows[k : k + size]
+            segments.append(s)
+            src += chunk + [chunk[0]] * (size - len(chunk))
+    if src == list(range(len(slots))):
+        return _Groups(segments, size, None, None)
+    dst = [len(src)] * len(slots)
+    for pos in reversed(range(len(src))):  # the first slot of a row, not its padding copies
+        dst[src[pos]] = pos
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return _Groups(segments, size, as_tensor(src), as_tensor(dst))
+
+
+def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's own A^T and scale * B, zero-padded to the largest rank among them:
+    (G, in, r), and (G, out, r) for groups of one row else (G, r, out), the layouts that
+    _grouped reads fastest. Built under no_grad, into fresh tensors."""
+    ranks = {s: pairs[s].A.shape[0] for s in groups.segments}
+    r, first = max(ranks.values()), pairs[groups.segments[0]]
+    n_in, n_out, G = first.A.shape[1], first.B.shape[0], len(groups.segments)
+    new = first.A.new_zeros if min(ranks.values()) < r else first.A.new_empty
+    a_g = new((G, n_in, r))
+    b_g = new((G, n_out, r) if groups.size == 1 else (G, r, n_out))
+    for g, s in enumerate(groups.segments):
+        pair, k = pairs[s], ranks[s]
+        a_g[g, :, :k] = pair.A.t()
+        if groups.size == 1:
+            torch.mul(pair.B, pair.scale, out=b_g[g, :, :k])
+        else:
+            torch.mul(pair.B.t(), pair.scale, out=b_g[g, :k, :])
+    return a_g, b_g
+
+
+def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
+    """out + scale * B(A x) of every row with its own adapter, for one token per row: the
+    rows are gathered into groups of one adapter each, then x_g @ A_g^T and (s B_g) @ h run
+    as two batched matmuls over the groups. Each row only ever meets its own adapter's
+    weights; rows without a LoRA on this layer return `out` as it is. No-grad calls only:
+    the layout and the weights are built once per route and layer, then reused.
+    """
+    entry = route.cache.get(path)
+    if entry is None:
+        pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+        present = tuple(p is not None for p in pairs)
+        entry = (None, None, None)
+        if any(present):
+            groups = route.cache.get(present)
+            if groups is None:  # the same for every layer that the same adapters target
+                groups = route.cache[present] = _group_rows(route.slots, present, x.device)
+            entry = (groups, *_group_weights(pairs, groups))
+        route.cache[path] = entry
+    groups, a_g, b_g = entry
+    if groups is None:
+        return out
+    B, G, size = x.shape[0], a_g.shape[0], groups.size
+    n_in, n_out = a_g.shape[1], out.shape[-1]
+    if groups.src is None and size == 1 and out.dtype == x.dtype == a_g.dtype:
+        # the common decode step, each row its own group: (G, out, r) @ (G, r, 1) reads B
+        # fastest here, into the (G, out, 1) view of out: the add fuses into the matmul
+        h = torch.bmm(x, a_g)  # (B, 1, r)
+        return torch.baddbmm(out.transpose(1, 2), b_g, h.transpose(1, 2)).transpose(1, 2)
+    xs = x.to(a_g.dtype).reshape(B, n_in)  # (B, in)
+    if groups.src is not None:
+        xs = xs.index_select(0, groups.src)  # (G*size, in)
+    h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
+    if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
+        delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
+    elif groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
+        return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
+    else:
+        delta = torch.bmm(h, b_g)  # (G, size, out)
+    delta = delta.reshape(G * size, n_out)
+    if groups.dst is not None:
+        zero = delta.new_zeros((1, n_out))  # the exact zero of the rows without LoRA here
+        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, out)
+    return (out + delta.reshape(out.shape)).to(out.dtype)

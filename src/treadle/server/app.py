@@ -63,8 +63,9 @@ from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.forward import ControlCalls
+from treadle.server.runtime.hub import WorkerHub
 from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine, WorkerHub
+from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine
 from treadle.server.runtime.replicas import ReplicatedEngine
 from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor

@@ -34,8 +34,9 @@ from treadle.server.runtime.channel import TICK_S, Channel
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
-from treadle.server.runtime.executor import OpExecutor, StateSnapshot
+from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.journal import Journal
+from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
 from treadle.server.runtime.ops import Outcome, Progress
 from treadle.server.runtime.remote import TOKEN_ENV

@@ -40,7 +40,7 @@ from sqlalchemy import select
 from treadle.errors import ErrorInfo, TreadleError
 from treadle.server.core.state import ServerState
 from treadle.server.runtime.engine_client import EngineClient
-from treadle.server.runtime.executor import StateSnapshot
+from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import decode_payload
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Skip
 from treadle.server.storage import queries

@@ -19,7 +19,7 @@ from treadle.server.runtime.ops import Op, Outcome, Progress
 OnOutcomes = Callable[[list[Outcome]], None]  # called from the engine's side; must not block
 # tokens of streamed sample ops as they are sampled (engine side; must not block)
 OnProgress = Callable[[list[Progress]], None]
-OnSnapshot = Callable[[Any], None]  # a model's state was written (an executor.StateSnapshot)
+OnSnapshot = Callable[[Any], None]  # a model's state was written (a live_weights.StateSnapshot)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ from treadle.server.runtime.engine_client import (
     OnSnapshot,
     SnapshotPolicy,
 )
-from treadle.server.runtime.executor import Deferred, OpExecutor, StateSnapshot
+from treadle.server.runtime.executor import Deferred, OpExecutor
+from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.server.runtime.scheduler import (
     DEFAULT_MAX_MERGE_TOKENS,

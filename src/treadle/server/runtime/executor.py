@@ -2,7 +2,8 @@
 
 Runs on the engine thread only (except `is_live` and `sampling`, which any thread may ask).
 Saves go through the CheckpointWriter; the sampler weights in memory (snapshots of training
-models, checkpoints loaded for sampling) are tracked here as "live refs".
+models, checkpoints loaded for sampling, the "live refs") and state snapshots are kept by
+its base, LiveWeights (treadle.server.runtime.live_weights).
 
 Sample ops join the engine's DecodeBatch (`admit_samples`) and finish a few decode steps at
 a time (`decode`), while other ops run between the steps. The weights a sample op started
@@ -18,18 +19,16 @@ import dataclasses
 import itertools
 import logging
 import shutil
-import threading
 import time
-import uuid
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treadle.engine.types import SampleResult, TrainBatch
-from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
+from treadle.engine.types import TrainBatch
+from treadle.errors import NotFoundError
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
+from treadle.server.runtime.live_weights import LiveWeights
 from treadle.server.runtime.ops import (
     CreateAdapter,
     LoadResult,
@@ -41,17 +40,15 @@ from treadle.server.runtime.ops import (
     OptimStep,
     Outcome,
     Progress,
-    Sample,
     SaveResult,
     SaveSampler,
     SaveState,
-    SequenceRecord,
     Skip,
     Snapshot,
     TrainData,
     Usage,
-    sample_sequence_id,
 )
+from treadle.server.runtime.outcomes import failure, sample_outcome
 
 log = logging.getLogger("treadle.executor")
 
@@ -76,18 +73,7 @@ class _Flight:
     started_at: float = field(default_factory=time.time)
 
 
-@dataclass
-class StateSnapshot:
-    """A model's state on disk after op `seq_id`, and the sampler snapshots of it then in
-    memory (engine id → folder): what recovery loads before replaying later ops."""
-
-    model_id: str
-    seq_id: int
-    dir: str
-    samplers: dict[str, str] = field(default_factory=dict)
-
-
-class OpExecutor:
+class OpExecutor(LiveWeights):
     def __init__(
         self,
         engine: Any,
@@ -96,20 +82,11 @@ class OpExecutor:
         state_root: Path | None = None,
         on_refs: Callable[[list[str], list[str]], None] | None = None,
     ):
-        self.engine = engine
-        self._on_refs = on_refs  # (added, dropped) sampler refs, for a remote API's mirror
+        super().__init__(engine, max_snapshots, state_root, on_refs)
         self.writer = writer
-        self.max_snapshots = max_snapshots
-        self.state_root = state_root  # where state snapshots go (None: never written)
-        self.snapshots: dict[str, deque[str]] = {}  # model_id → its live snapshots, oldest first
-        self._persisted: dict[str, str] = {}  # sampler snapshot → its folder on disk
-        self._live: set[str] = set()  # engine ids a sampling session may use
-        self._live_lock = threading.Lock()
         self._batch: Any = None  # the engine's DecodeBatch, made on first use
         self._flights: dict[int, _Flight] = {}  # by DecodeBatch handle
-        self._holds: Counter[str] = Counter()  # refs and pins in-flight sample ops use
         self._pins: set[str] = set()  # copies of live adapters made for sample ops
-        self._drop_later: set[str] = set()  # refs dropped while still in use
         self._pin_ids = itertools.count()
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {
             OpKind.SKIP: self._skip,
@@ -134,7 +111,7 @@ class OpExecutor:
             results = self.engine.forward_backward(batches, forward_only)
         except Exception as e:
             if len(ops) == 1:
-                return [_failure(ops[0], e)]
+                return [failure(ops[0], e)]
             log.warning("mixed train batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.run_train([op], forward_only)]
         return [
@@ -148,10 +125,10 @@ class OpExecutor:
             results = self.engine.sample([op.payload.request for op in ops])
         except Exception as e:
             if len(ops) == 1:
-                return [_failure(ops[0], e)]
+                return [failure(ops[0], e)]
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.run_samples([op])]
-        return [_sample_outcome(op, r) for op, r in zip(ops, results, strict=True)]
+        return [sample_outcome(op, r) for op, r in zip(ops, results, strict=True)]
 
     # ---- sampling: a decode batch that lives across rounds ----
     @property
@@ -179,7 +156,7 @@ class OpExecutor:
             for held in holds:
                 self._release(held)
             if len(ops) == 1:
-                return [_failure(ops[0], e)]
+                return [failure(ops[0], e)]
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.admit_samples([op])]
         for op, h, held in zip(ops, handles, holds, strict=True):
@@ -208,12 +185,12 @@ class OpExecutor:
             finished = batch.step(until=lambda: batch.has_results or until(), on_tokens=on_tokens)
         except Exception as e:
             log.exception("a decode step of %d sample ops failed", len(self._flights))
-            return [_failure(op, e) for op in self.abort_samples()]
+            return [failure(op, e) for op in self.abort_samples()]
         outcomes = []
         for h, result in finished:
             flight = self._flights.pop(h)
             self._release(flight.holds)
-            outcomes.append(_sample_outcome(flight.op, result).timed(flight.started_at))
+            outcomes.append(sample_outcome(flight.op, result).timed(flight.started_at))
         return outcomes
 
     def abort_samples(self) -> list[Op]:
@@ -266,7 +243,7 @@ class OpExecutor:
         try:
             return self._single[op.kind](op)
         except Exception as e:
-            return _failure(op, e)
+            return failure(op, e)
 
     def _skip(self, op: Op) -> Outcome:
         """A request refused at the API edge, holding its seq_id's place in the order."""
@@ -319,162 +296,5 @@ class OpExecutor:
             result = SaveResult(None, "save_weights_for_sampler")
         else:
             result = self.writer.snapshot(op.model_id, snap, p)
-        self._add_live(snap)
-        kept = self.snapshots.setdefault(op.model_id, deque())
-        kept.append(snap)
-        while len(kept) > self.max_snapshots:
-            self.drop_ref(kept.popleft())
+        self.keep_snapshot(op.model_id, snap)
         return Outcome.ok(op.request_id, result)
-
-    # ---- sampler weights in memory ----
-    def is_live(self, ref: str) -> bool:
-        with self._live_lock:
-            return ref in self._live
-
-    def _add_live(self, ref: str) -> None:
-        with self._live_lock:
-            self._live.add(ref)
-        if self._on_refs is not None:
-            self._on_refs([ref], [])
-
-    def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        """A sampler from a saved checkpoint: loaded as an adapter of its own."""
-        if checkpoint_type == "training":
-            self.engine.load_state(ref, directory, with_optimizer=False)
-        else:
-            self.engine.load_adapter(ref, directory)
-        self._add_live(ref)
-
-    def check_adapter(self, directory: str) -> None:
-        """Load a PEFT adapter folder under a throwaway id and free it: does it fit?"""
-        probe = f"probe:{uuid.uuid4().hex}"
-        try:
-            self.engine.load_adapter(probe, directory)
-        except TreadleError:
-            raise
-        except Exception as e:  # unreadable weights, a malformed config: the sender's fault
-            raise InvalidRequestError(
-                f"body: not a loadable PEFT adapter for this model: {type(e).__name__}: {e}"
-            ) from e
-        self.engine.drop_adapter(probe)
-
-    # ---- durability: state snapshots and restoring from them ----
-    def snapshot_state(self, model_id: str, seq_id: int) -> StateSnapshot:
-        """Write the model's state (adapter, AdamW, step, accumulated gradients) and its
-        sampler snapshots not yet on disk; the folder is new, complete before it is named."""
-        assert self.state_root is not None
-        root = self.state_root / _safe(model_id)
-        final = root / f"state-{seq_id}-{uuid.uuid4().hex[:8]}"
-        tmp = root / f".tmp-{final.name}"
-        tmp.mkdir(parents=True)
-        self.engine.save_snapshot(model_id, tmp)
-        tmp.rename(final)
-        samplers = {}
-        for ref in self.snapshots.get(model_id, ()):
-            if ref not in self._persisted:
-                folder = root / "samplers" / _safe(ref)
-                shutil.rmtree(folder, ignore_errors=True)
-                self.engine.save_adapter(ref, folder)
-                self._persisted[ref] = str(folder)
-            samplers[ref] = self._persisted[ref]
-        return StateSnapshot(model_id, seq_id, str(final), samplers)
-
-    def restore_model(self, model_id: str, state_dir: str | None, samplers: dict[str, str]) -> None:
-        """A model as its last snapshot left it (or nothing yet: its create op replays),
-        with the sampler snapshots it had then."""
-        if state_dir is not None:
-            self.engine.load_snapshot(model_id, state_dir)
-        kept = self.snapshots.setdefault(model_id, deque())
-        for ref, folder in samplers.items():
-            if ref in kept:
-                continue
-            self.engine.load_frozen(ref, folder)
-            self._persisted[ref] = folder
-            self._add_live(ref)
-            kept.append(ref)
-
-    def drop_ref(self, ref: str) -> None:
-        with self._live_lock:
-            if ref not in self._live:
-                return
-            self._live.discard(ref)
-        if self._on_refs is not None:
-            self._on_refs([], [ref])
-        folder = self._persisted.pop(ref, None)
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        if self._holds.get(ref):  # a sample op still decodes with it: freed when it ends
-            self._drop_later.add(ref)
-            return
-        self._free(ref)
-
-    def _free(self, ref: str) -> None:
-        try:
-            if ref.startswith(("snap:", "pin:")):
-                self.engine.drop_snapshot(ref)
-            else:
-                self.engine.drop_adapter(ref)
-        except Exception:
-            log.exception("could not free %s", ref)
-
-    def drop_all_refs(self) -> None:
-        with self._live_lock:
-            refs = list(self._live)
-        for ref in refs:
-            self.drop_ref(ref)
-        self.snapshots.clear()
-
-    def drop_model(self, model_id: str) -> None:
-        for snap in self.snapshots.pop(model_id, deque()):
-            self.drop_ref(snap)
-        try:
-            self.engine.drop_adapter(model_id)
-        except NotFoundError:
-            pass  # never created (its create op had not run)
-        except Exception:
-            log.exception("could not drop adapter %s", model_id)
-
-
-def _safe(name: str) -> str:
-    """An engine id as one folder name (ids hold ':')."""
-    return name.replace("/", "_").replace(":", "_")
-
-
-def _failure(op: Op, exc: BaseException) -> Outcome:
-    outcome = Outcome.failed(op.request_id, exc)
-    if outcome.error.category == "server":
-        log.error("request %s (%s) failed", op.request_id, op.kind, exc_info=exc)
-    return outcome
-
-
-def _sample_outcome(op: Op, result: SampleResult) -> Outcome:
-    p = op.payload
-    assert isinstance(p, Sample)
-    req = p.request
-    if not req.prompt_logprobs:
-        result.prompt_logprobs = None
-    if req.topk_prompt_logprobs <= 0:
-        result.topk_prompt_logprobs = None
-    if p.prompt_logprobs_last_n is not None:
-        cut = len(req.prompt) - p.prompt_logprobs_last_n  # positions before the last N
-        if result.prompt_logprobs:
-            result.prompt_logprobs = [None] * cut + list(result.prompt_logprobs[cut:])
-        if result.topk_prompt_logprobs:
-            result.topk_prompt_logprobs = [None] * cut + list(result.topk_prompt_logprobs[cut:])
-    sampled = sum(len(s.tokens) for s in result.sequences)
-    outcome = Outcome.ok(
-        op.request_id, result, Usage(prompt_tokens=len(req.prompt), sampled_tokens=sampled)
-    )
-    if p.record is not None:  # record_stability_info: kept with the result, for provenance
-        outcome.records = [
-            SequenceRecord(
-                sample_sequence_id(op.request_id, i),  # as the submit reply listed them
-                p.record.tenant_id,
-                p.record.session_id,
-                list(req.prompt),
-                list(s.tokens),
-                list(s.logprobs),
-            )
-            for i, s in enumerate(result.sequences)
-        ]
-    return outcome

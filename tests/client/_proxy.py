@@ -17,6 +17,8 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
+from _http import content_length, forward_once
+
 
 @dataclass
 class Rule:
@@ -85,7 +87,7 @@ class FaultProxy:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 path = head.split(b" ", 2)[1].decode()
-                body = await reader.readexactly(_content_length(head))
+                body = await reader.readexactly(content_length(head))
                 action = self._take(path)
                 if action == "503":
                     msg = b'{"detail":"injected 503"}'
@@ -98,7 +100,7 @@ class FaultProxy:
                 if action == "reset_before":
                     writer.transport.abort()
                     return
-                response = await self._forward(head, body)
+                response = await forward_once(self.upstream, head, body)
                 if action == "reset_after":
                     writer.transport.abort()
                     return
@@ -106,25 +108,3 @@ class FaultProxy:
                 await writer.drain()
         finally:
             writer.close()
-
-    async def _forward(self, head: bytes, body: bytes) -> bytes:
-        """One request on a fresh upstream connection; returns the raw response."""
-        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        try:
-            up_writer.write(head + body)
-            await up_writer.drain()
-            resp_head = await up_reader.readuntil(b"\r\n\r\n")
-            resp_body = await up_reader.readexactly(_content_length(resp_head))
-            return resp_head + resp_body
-        finally:
-            up_writer.close()
-
-
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value.strip())
-        if name.strip().lower() == b"transfer-encoding":
-            raise NotImplementedError("the fault proxy handles content-length bodies only")
-    return 0

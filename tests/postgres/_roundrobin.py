@@ -16,6 +16,8 @@ import itertools
 import threading
 from collections import Counter
 
+from _http import content_length, forward_once
+
 
 class RoundRobin:
     def __init__(self, ports: list[int], host: str = "127.0.0.1"):
@@ -81,32 +83,11 @@ class RoundRobin:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             path = head.split(b" ", 2)[1].decode().split("?")[0]
-            body = await reader.readexactly(_content_length(head))
+            body = await reader.readexactly(content_length(head))
             try:
-                response = await self._forward(self._pick(path), head, body)
+                response = await forward_once(self._pick(path), head, body)
             except (ConnectionError, asyncio.IncompleteReadError):
                 writer.transport.abort()  # the server went away: so does the connection
                 return
             writer.write(response)
             await writer.drain()
-
-    async def _forward(self, upstream: tuple[str, int], head: bytes, body: bytes) -> bytes:
-        up_reader, up_writer = await asyncio.open_connection(*upstream)
-        try:
-            up_writer.write(head + body)
-            await up_writer.drain()
-            resp_head = await up_reader.readuntil(b"\r\n\r\n")
-            resp_body = await up_reader.readexactly(_content_length(resp_head))
-            return resp_head + resp_body
-        finally:
-            up_writer.close()
-
-
-def _content_length(head: bytes) -> int:
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            return int(value.strip())
-        if name.strip().lower() == b"transfer-encoding":
-            raise NotImplementedError("this balancer handles content-length bodies only")
-    return 0

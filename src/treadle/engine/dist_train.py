@@ -12,7 +12,7 @@ Every rank runs this with the same batches (rank 0 told them, treadle.engine.dis
    and one all-reduce sums them: each adapter gets exactly the gradients one process would
    compute on the whole batch, and the rule that a batch adds nothing to its adapter unless
    the result is finite is then applied to the summed gradients, on every rank alike
-   (treadle.engine.train._add_if_finite), so the decision is the same everywhere;
+   (treadle.engine.train.add_or_blame), so the decision is the same everywhere;
 4. the per-datum logprobs are gathered to rank 0, which builds the results.
 
 Gradients are taken per batch, not per adapter: each batch's rows are routed to a view of
@@ -41,7 +41,7 @@ import torch
 
 from treadle.engine.lora import Adapter, AdapterBank, LoraPair
 from treadle.engine.losses import as_int64, validate_batch
-from treadle.engine.train import NONFINITE, _add_if_finite, _batch_loss
+from treadle.engine.train import NONFINITE, _batch_loss, add_or_blame
 from treadle.engine.types import TrainBatch, TrainResult
 
 
@@ -274,11 +274,5 @@ def _accumulate(
         together = per_batch[ids[0]]
         for i in ids[1:]:
             together = tuple(a + b for a, b in zip(together, per_batch[i], strict=True))
-        if _add_if_finite(adapter, together):
-            continue
-        if len(ids) == 1:
-            bad[ids[0]] = True
-            continue
-        for i in ids:  # rare: find which of the adapter's batches are to blame
-            bad[i] = not _add_if_finite(adapter, per_batch[i])
+        add_or_blame(adapter, together, ids, per_batch.__getitem__, bad)
     return bad

@@ -15,6 +15,7 @@ and an optim_step that would leave an adapter non-finite is refused and changes 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,17 +130,35 @@ def _accumulate(
     for adapter, ids in zip(adapters, of_adapter.values(), strict=True):
         n = len(adapter.layers) * 2  # its A and B, in parameters() order
         together, start = grads[start : start + n], start + n
-        if _add_if_finite(adapter, together):
-            continue
-        if len(ids) == 1:
-            bad[ids[0]] = True
-            continue
-        for i in ids:  # rare: find which of the adapter's batches are to blame
-            alone = torch.autograd.grad(
-                losses[i], adapter.parameters(), allow_unused=True, retain_graph=True
-            )
-            bad[i] = not _add_if_finite(adapter, alone)
+        add_or_blame(
+            adapter,
+            together,
+            ids,
+            lambda i, a=adapter: torch.autograd.grad(
+                losses[i], a.parameters(), allow_unused=True, retain_graph=True
+            ),
+            bad,
+        )
     return bad
+
+
+def add_or_blame(
+    adapter: Adapter,
+    together: tuple[torch.Tensor | None, ...],
+    ids: list[int],
+    alone: Callable[[int], tuple[torch.Tensor | None, ...]],
+    bad: list[bool],
+) -> None:
+    """Add the summed gradients of an adapter's batches `ids` if the result stays finite;
+    if not, find which batches are to blame (each one's own gradients from `alone`), add
+    the others and mark those in `bad`."""
+    if _add_if_finite(adapter, together):
+        return
+    if len(ids) == 1:
+        bad[ids[0]] = True
+        return
+    for i in ids:  # rare: find which of the adapter's batches are to blame
+        bad[i] = not _add_if_finite(adapter, alone(i))
 
 
 def _add_if_finite(adapter: Adapter, grads: tuple[torch.Tensor | None, ...]) -> bool:

@@ -144,3 +144,41 @@ class EngineClient(ABC):
         """Ops handed to this engine that it will still run after a restart of its own
         (a worker process keeps them on the API side and sends them again)."""
         return []
+
+
+class NamedControls(EngineClient):
+    """An engine whose control calls run where the engine lives, as calls by name: on its
+    thread (EngineLoop.control) or in its worker process (a CALL message, which the worker
+    hands to the same EngineLoop.control). One table of names for both."""
+
+    @abstractmethod
+    async def _control(self, name: str, **args: Any) -> Any:
+        """Run the named control call on the engine's side; → its value, or raise its error."""
+
+    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
+        await self._control(
+            "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory
+        )
+
+    async def drop_ref(self, ref: str) -> None:
+        await self._control("drop_ref", ref=ref)
+
+    async def check_adapter(self, directory: str) -> None:
+        await self._control("check_adapter", directory=directory)
+
+    async def unload_model(self, model_id: str, reason: str) -> None:
+        await self._control("unload_model", model_id=model_id, reason=reason)
+
+    async def restore_model(
+        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
+    ) -> None:
+        await self._control(
+            "restore_model",
+            model_id=model_id,
+            state_dir=state_dir,
+            samplers=samplers,
+            next_seq=next_seq,
+        )
+
+    async def snapshot_all(self) -> None:
+        await self._control("snapshot_all")

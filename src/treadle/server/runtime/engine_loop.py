@@ -35,8 +35,8 @@ from typing import Any
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.server.runtime.engine_client import (
-    EngineClient,
     EngineFacts,
+    NamedControls,
     OnOutcomes,
     OnProgress,
     OnSnapshot,
@@ -67,7 +67,7 @@ DEFERRED_MAX_WAIT_S = 1.0
 DECODE_SLICE_S = 0.5
 
 
-class EngineLoop(EngineClient):
+class EngineLoop(NamedControls):
     """The in-process engine handle: owns one Engine (through its OpExecutor) and its thread."""
 
     def __init__(
@@ -163,34 +163,6 @@ class EngineLoop(EngineClient):
     def status(self) -> str:
         """serving | dead | stopped (the console's overview)."""
         return "dead" if self._dead else "serving" if self._thread.is_alive() else "stopped"
-
-    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        await self._control(
-            "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory
-        )
-
-    async def drop_ref(self, ref: str) -> None:
-        await self._control("drop_ref", ref=ref)
-
-    async def check_adapter(self, directory: str) -> None:
-        await self._control("check_adapter", directory=directory)
-
-    async def unload_model(self, model_id: str, reason: str) -> None:
-        await self._control("unload_model", model_id=model_id, reason=reason)
-
-    async def restore_model(
-        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
-    ) -> None:
-        await self._control(
-            "restore_model",
-            model_id=model_id,
-            state_dir=state_dir,
-            samplers=samplers,
-            next_seq=next_seq,
-        )
-
-    async def snapshot_all(self) -> None:
-        await self._control("snapshot_all")
 
     # ---- control calls: run on the engine thread before the next round ----
     def control(self, name: str, **args: Any) -> concurrent.futures.Future:

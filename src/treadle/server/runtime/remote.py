@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.server.runtime import messages
 from treadle.server.runtime.engine_client import (
-    EngineClient,
     EngineFacts,
+    NamedControls,
     OnOutcomes,
     OnProgress,
     OnSnapshot,
@@ -74,7 +74,7 @@ class _Seqs:
             self.ran_below += 1
 
 
-class RemoteEngine(EngineClient):
+class RemoteEngine(NamedControls):
     def __init__(
         self,
         name: str,
@@ -160,21 +160,10 @@ class RemoteEngine(EngineClient):
         with self._lock:
             return ref in self._live
 
-    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        await self._control(
-            "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=directory
-        )
-
-    async def drop_ref(self, ref: str) -> None:
-        await self._control("drop_ref", ref=ref)
-
-    async def check_adapter(self, directory: str) -> None:
-        await self._control("check_adapter", directory=directory)
-
     async def unload_model(self, model_id: str, reason: str) -> None:
         with self._lock:
             self._seqs.pop(model_id, None)
-        await self._control("unload_model", model_id=model_id, reason=reason)
+        await super().unload_model(model_id, reason)
 
     async def restore_model(
         self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
@@ -182,16 +171,7 @@ class RemoteEngine(EngineClient):
         with self._lock:
             seqs = self._seqs.setdefault(model_id, _Seqs())
             seqs.ran_below = max(seqs.ran_below, next_seq)
-        await self._control(
-            "restore_model",
-            model_id=model_id,
-            state_dir=state_dir,
-            samplers=samplers,
-            next_seq=next_seq,
-        )
-
-    async def snapshot_all(self) -> None:
-        await self._control("snapshot_all")
+        await super().restore_model(model_id, state_dir, samplers, next_seq)
 
     # ---- facts for the hub and recovery ----
     @property

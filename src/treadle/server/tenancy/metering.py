@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
+from treadle.errors import InvalidRequestError
 from treadle.server.config import Price
 from treadle.server.storage.rows import DEFAULT_TENANT_ID, RequestRow, TenantRow
 
@@ -141,6 +142,18 @@ def parse_since(since: str | None) -> dt.datetime | None:
             f"since: expected a date (YYYY-MM-DD) or an ISO time, got {since!r}"
         ) from e
     return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+
+def usage_query(since: str | None, by: str | None) -> dt.datetime | None:
+    """The `since` and `by` of a usage request, checked: → the time it starts from.
+    InvalidRequestError naming the field (the API, the console's pages and its JSON)."""
+    try:
+        when = parse_since(since)
+        if by is not None and by not in GROUPINGS:
+            raise ValueError(f"by: expected one of {list(GROUPINGS)}, got {by!r}")
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
+    return when
 
 
 def usage_report(

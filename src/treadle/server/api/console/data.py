@@ -105,12 +105,7 @@ def get_usage(
     tenant: str | None = None,
 ) -> dict[str, Any]:
     """The usage report (as GET /api/v1/treadle/usage), its days, and the spend caps."""
-    try:
-        when = metering.parse_since(since)
-        if by is not None and by not in metering.GROUPINGS:
-            raise ValueError(f"by: expected one of {list(metering.GROUPINGS)}, got {by!r}")
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from e
+    when = metering.usage_query(since, by)
     return views.usage(viewer.scope(views, tenant), by, when)
 
 

@@ -129,11 +129,9 @@ def usage_page(
 ) -> HTMLResponse:
     """Usage and cost per tenant, session, model and day; spend caps."""
     try:
-        when = metering.parse_since(since)
-        if by is not None and by not in metering.GROUPINGS:
-            raise ValueError(f"by: expected one of {list(metering.GROUPINGS)}, got {by!r}")
-    except ValueError as e:
-        return error_page(request, viewer, InvalidRequestError(str(e)))
+        when = metering.usage_query(since, by)
+    except InvalidRequestError as e:
+        return error_page(request, viewer, e)
     view = views.usage(viewer.scope(views, tenant), by or None, when)
     return render(request, viewer, "usage.html", view=view, groupings=metering.GROUPINGS)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.errors import NotFoundError
 from treadle.server.api.deps import StateDep, TenantDep
 from treadle.server.tenancy import metering
 
@@ -52,12 +52,7 @@ def get_usage(
 ) -> dict[str, Any]:
     """The caller's tenant's metered tokens and their cost (treadle.server.tenancy.metering):
     totals, or rows `by` session, day or model; `since` a date or ISO time (UTC)."""
-    try:
-        when = metering.parse_since(since)
-        if by is not None and by not in metering.GROUPINGS:
-            raise ValueError(f"by: expected one of {list(metering.GROUPINGS)}, got {by!r}")
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from e
+    when = metering.usage_query(since, by)
     return metering.usage_report(
         state.store.engine, state.config.prices, tenant_id=tenant.tenant_id, since=when, by=by
     )

@@ -121,7 +121,8 @@ def test_poisoned_adapter_leaves_its_batch_alone(eng, tenants, how, layout, T):
             assert torch.equal(mixed[row], base[row])
             continue
         alone = _logits(eng, [key] * len(keys), ids)
-        torch.testing.assert_close(mixed[row], alone[row], rtol=0, atol=1e-5)
+        # alone may take the merged weight (another summation order): fp32 rounding only
+        torch.testing.assert_close(mixed[row], alone[row], rtol=1e-5, atol=3e-5)
         assert (alone[row] - base[row]).abs().max() > 1e-2  # the adapter does something
 
 

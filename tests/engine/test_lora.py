@@ -128,6 +128,43 @@ def test_mixed_rows_equal_single_adapter_passes(engine, helpers, new_id, T):
         engine.drop_adapter(x)
 
 
+def test_stacked_weights_follow_every_change_of_their_adapters(engine, helpers, sft_datum, new_id):
+    """The grouped path keeps its stacked weights from one rows() context to the next; an
+    optimizer step, an in-place write and an adapter recreated under the same id must each
+    show in the next mixed call, exactly as in a call of that adapter alone."""
+    a, b = new_id(), new_id()
+    engine.create_adapter(a, LoraSpec(rank=4, seed=1))
+    engine.create_adapter(b, LoraSpec(rank=8, seed=2))
+    helpers.perturb(engine.bank.live(a), seed=1)
+    helpers.perturb(engine.bank.live(b), seed=2)
+    keys = [a, b, b, None]
+
+    def check(T: int) -> None:
+        ids = _ids(engine, B=4, T=T)
+        with torch.no_grad():
+            with engine.bank.rows(keys):
+                mixed = engine.model(input_ids=ids).logits  # (4, T, V)
+            for row, key in enumerate(keys[:3]):
+                with engine.bank.rows([key] * 4):
+                    alone = engine.model(input_ids=ids).logits
+                torch.testing.assert_close(mixed[row], alone[row], rtol=1e-5, atol=3e-5)
+
+    for T in (1, 6):
+        check(T)  # stacks built
+    engine.forward_backward([TrainBatch(a, [sft_datum(8, seed=3)])])
+    engine.optim_step(a, AdamSpec(learning_rate=0.05))
+    for T in (1, 6):
+        check(T)
+    helpers.perturb(engine.bank.live(b), seed=7)  # an in-place copy_, as a restore does
+    check(1)
+    engine.drop_adapter(a)
+    engine.create_adapter(a, LoraSpec(rank=4, seed=5))
+    helpers.perturb(engine.bank.live(a), seed=5)
+    check(1)
+    for x in (a, b):
+        engine.drop_adapter(x)
+
+
 @torch.no_grad()
 def test_tied_embedding_untouched_by_unembed_lora(engine, helpers, new_id):
     emb = engine.model.get_input_embeddings().weight

@@ -68,7 +68,7 @@ from treadle.engine.lora_kernels import (
     merge_is_cheaper,
 )
 from treadle.engine.lora_kernels import _LoraDelta as _LoraDelta  # re-exported
-from treadle.engine.lora_routing import _grouped, _Route, _segmented_delta
+from treadle.engine.lora_routing import WeightStacks, _grouped, _Route, _segmented_delta
 from treadle.engine.types import LoraSpec
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
 
@@ -92,6 +92,7 @@ class AdapterBank:
         self.snapshots: dict[str, Adapter] = {}
         self._hooked: dict[str, nn.Linear] = {}  # paths whose forward is ours
         self._route: _Route | None = None
+        self._stacks = WeightStacks()  # _grouped's stacked adapter weights, across routes
 
     # ---- adapters ----
     def target_paths(self, spec: LoraSpec) -> list[str]:
@@ -200,6 +201,7 @@ class AdapterBank:
             raise NotFoundError(f"adapter {adapter_id!r} does not exist")
         adapter.layers.clear()
         adapter.extra.clear()
+        self._stacks.clear()  # they may hold copies of its weights: free those too
 
     def snapshot(self, adapter_id: str, snapshot_id: str) -> Adapter:
         """Freeze a copy of the adapter's current weights (memory only, detached)."""
@@ -216,6 +218,7 @@ class AdapterBank:
     def drop_snapshot(self, snapshot_id: str) -> None:
         if self.snapshots.pop(snapshot_id, None) is None:
             raise NotFoundError(f"snapshot {snapshot_id!r} does not exist")
+        self._stacks.clear()
 
     def live(self, adapter_id: str) -> Adapter:
         try:
@@ -257,12 +260,12 @@ class AdapterBank:
         slot = {k: i for i, k in enumerate(order)}
         slots = [slot[k] for k in keys]
         if len(runs) == len(order):  # each key's rows already contiguous
-            return _Route(len(keys), None, segments, slots=slots)
+            return _Route(len(keys), None, segments, slots=slots, stacks=self._stacks)
         perm_list = sorted(range(len(keys)), key=lambda i: slot[keys[i]])  # stable
         perm = torch.tensor(perm_list, device=device)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(len(keys), device=device)
-        return _Route(len(keys), None, segments, perm, inverse, slots)
+        return _Route(len(keys), None, segments, perm, inverse, slots, stacks=self._stacks)
 
     def _hook(self, path: str) -> None:
         if path in self._hooked:
@@ -297,9 +300,9 @@ class AdapterBank:
                 out = base_forward(module, x)  # (B, T, out)
                 return (out + _delta(x, pair)).to(out.dtype)
             out = base_forward(module, x)  # (B, T, out)
-            # one token per row without gradients: a decode step, one of many in the same
-            # rows() context, which pays for building the grouped weights once
-            if x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled():
+            # without gradients (a prefill and its decode steps, a logprob pass): batched
+            # matmuls over groups of one adapter, on weights stacked once (WeightStacks)
+            if x.dim() == 3 and not torch.is_grad_enabled():
                 return _grouped(x, out, route, path)
             delta = _segmented_delta(x, route, path)
             return out if delta is None else (out + delta).to(out.dtype)

@@ -1,14 +1,16 @@
 """The multi-adapter paths of a LoRA layer: a call whose rows use several adapters.
 
 _Route is what AdapterBank.rows() plans (treadle.engine.lora); each LoRA layer then reads
-it: calls with several tokens per row or with gradients split the rows by adapter
-(_segmented_delta), decode steps without gradients gather them into groups of one adapter
-and run two batched matmuls for all groups (_grouped, the BGMV / SGMV shape). No path
-multiplies a row by another adapter's weights.
+it: calls with gradients split the rows by adapter (_segmented_delta, one matmul pair per
+adapter); calls without (decode steps, prefills, logprob passes) gather them into groups of
+one adapter and run two batched matmuls for all groups (_grouped, the BGMV / SGMV shape) on
+stacked weights that WeightStacks keeps from one call to the next. No path multiplies a row
+by another adapter's weights.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +26,7 @@ class _Route:
     Rows are cut into contiguous segments of one key each (after a permutation when a key's
     rows are scattered), so each LoRA layer splits its input once, runs one small matmul pair
     per segment and concatenates: forward and backward stay linear in the batch size.
-    Decode steps take the grouped path instead (_grouped), which reads `slots`.
+    Calls without gradients take the grouped path instead (_grouped), which reads `slots`.
     """
 
     n_rows: int
@@ -34,6 +36,7 @@ class _Route:
     inverse: torch.Tensor | None = None  # (B,) undoes perm
     slots: list[int] = field(default_factory=list)  # segment index of each row
     cache: dict = field(default_factory=dict)  # per-route layouts and weights of _grouped
+    stacks: WeightStacks | None = None  # the bank's, kept across routes
 
 
 def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
@@ -119,12 +122,57 @@ def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Te
     return a_g, b_g
 
 
+class WeightStacks:
+    """The stacked weights of _grouped, kept from one rows() context to the next.
+
+    A sampler's prefill and its decode steps are separate contexts, and so is every round of
+    the continuous decode batch: without this each would copy every adapter of the batch
+    into fresh stacks (8 rank-32 adapters of the small tiny model: 51 MB, twice per call).
+    An entry holds its source tensors, so their ids cannot be reused while it lives, and is
+    valid while each is at the version it was stacked from: every in-place update (an
+    optimizer step, a restore's copy_) bumps a tensor's version. The last `max_sets` sets
+    of adapters are kept, each a copy of those adapters' weights.
+    """
+
+    def __init__(self, max_sets: int = 2):
+        self.max_sets = max_sets
+        self._sets: OrderedDict[tuple, dict[str, tuple]] = OrderedDict()
+
+    def get(
+        self, route: _Route, pairs: list, groups: _Groups, path: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (A_g, B_g) for these groups: kept, or stacked now."""
+        key = (groups.size == 1, *(id(route.segments[s][0]) for s in groups.segments))
+        members = [pairs[s] for s in groups.segments]
+        versions = [(p.A._version, p.B._version) for p in members]
+        layers = self._sets.get(key)
+        if layers is None:
+            layers = self._sets[key] = {}
+            while len(self._sets) > self.max_sets:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(key)
+        entry = layers.get(path)
+        if entry is None or entry[3] != versions or not _same(entry[2], members):
+            a_g, b_g = _group_weights(pairs, groups)
+            entry = layers[path] = (a_g, b_g, [(p.A, p.B) for p in members], versions)
+        return entry[0], entry[1]
+
+    def clear(self) -> None:
+        self._sets.clear()
+
+
+def _same(held: list[tuple[torch.Tensor, torch.Tensor]], members: list) -> bool:
+    return all(a is p.A and b is p.B for (a, b), p in zip(held, members, strict=True))
+
+
 def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
-    """out + scale * B(A x) of every row with its own adapter, for one token per row: the
-    rows are gathered into groups of one adapter each, then x_g @ A_g^T and (s B_g) @ h run
-    as two batched matmuls over the groups. Each row only ever meets its own adapter's
-    weights; rows without a LoRA on this layer return `out` as it is. No-grad calls only:
-    the layout and the weights are built once per route and layer, then reused.
+    """out + scale * B(A x) of every row with its own adapter, for a call without gradients
+    (a decode step, a prefill, a logprob pass): the rows are gathered into groups of one
+    adapter each, then x_g @ A_g^T and (s B_g) @ h run as two batched matmuls over the
+    groups, whatever the number of tokens per row. Each row only ever meets its own
+    adapter's weights; rows without a LoRA on this layer return `out` as it is. The layout
+    and the weights are built once per route and layer, then reused by every call of the
+    rows() context (a prefill and its decode steps).
     """
     entry = route.cache.get(path)
     if entry is None:
@@ -135,30 +183,33 @@ def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> to
             groups = route.cache.get(present)
             if groups is None:  # the same for every layer that the same adapters target
                 groups = route.cache[present] = _group_rows(route.slots, present, x.device)
-            entry = (groups, *_group_weights(pairs, groups))
+            stacked = (
+                _group_weights(pairs, groups)
+                if route.stacks is None
+                else route.stacks.get(route, pairs, groups, path)
+            )
+            entry = (groups, *stacked)
         route.cache[path] = entry
     groups, a_g, b_g = entry
     if groups is None:
         return out
-    B, G, size = x.shape[0], a_g.shape[0], groups.size
+    T, G, size = x.shape[1], a_g.shape[0], groups.size
     n_in, n_out = a_g.shape[1], out.shape[-1]
-    if groups.src is None and size == 1 and out.dtype == x.dtype == a_g.dtype:
+    if groups.src is None and size == 1 and T == 1 and out.dtype == x.dtype == a_g.dtype:
         # the common decode step, each row its own group: (G, out, r) @ (G, r, 1) reads B
         # fastest here, into the (G, out, 1) view of out: the add fuses into the matmul
         h = torch.bmm(x, a_g)  # (B, 1, r)
         return torch.baddbmm(out.transpose(1, 2), b_g, h.transpose(1, 2)).transpose(1, 2)
-    xs = x.to(a_g.dtype).reshape(B, n_in)  # (B, in)
+    xs = x.to(a_g.dtype)  # (B, T, in)
     if groups.src is not None:
-        xs = xs.index_select(0, groups.src)  # (G*size, in)
-    h = torch.bmm(xs.reshape(G, size, n_in), a_g)  # (G, size, r)
-    if size == 1:  # b_g (G, out, r); a (G, out, 1) result is the memory of (G, 1, out)
-        delta = torch.bmm(b_g, h.transpose(1, 2))  # (G, out, 1)
-    elif groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
-        return torch.baddbmm(out.reshape(G, size, n_out), h, b_g).reshape(out.shape)
-    else:
-        delta = torch.bmm(h, b_g)  # (G, size, out)
-    delta = delta.reshape(G * size, n_out)
+        xs = xs.index_select(0, groups.src)  # (G*size, T, in)
+    h = torch.bmm(xs.reshape(G, size * T, n_in), a_g)  # (G, size*T, r)
+    b_rt = b_g.transpose(1, 2) if size == 1 else b_g  # (G, r, out), a view of (G, out, r)
+    if groups.dst is None and out.dtype == b_g.dtype:  # the add fuses into the matmul
+        return torch.baddbmm(out.reshape(G, size * T, n_out), h, b_rt).reshape(out.shape)
+    delta = torch.bmm(h, b_rt)  # (G, size*T, out)
+    delta = delta.reshape(G * size, T, n_out)
     if groups.dst is not None:
-        zero = delta.new_zeros((1, n_out))  # the exact zero of the rows without LoRA here
-        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, out)
+        zero = delta.new_zeros((1, T, n_out))  # the exact zero of the rows without LoRA here
+        delta = torch.cat([delta, zero]).index_select(0, groups.dst)  # (B, T, out)
     return (out + delta.reshape(out.shape)).to(out.dtype)

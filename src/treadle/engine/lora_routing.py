@@ -12,11 +12,67 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from treadle.engine.lora_adapters import Adapter
 from treadle.engine.lora_kernels import _delta
+
+
+class _Stack(NamedTuple):
+    """One layer's stacked weights, and the tensors (at their versions) they were made of."""
+
+    a_g: torch.Tensor
+    b_g: torch.Tensor
+    sources: list[tuple[torch.Tensor, torch.Tensor]]  # each group's (A, B)
+    versions: list[tuple[int, int]]
+
+    def still_of(self, members: list) -> bool:
+        """Made of these very tensors, none changed since."""
+        return all(
+            a is p.A and b is p.B and v == (p.A._version, p.B._version)
+            for (a, b), v, p in zip(self.sources, self.versions, members, strict=True)
+        )
+
+
+class WeightStacks:
+    """The stacked weights of _grouped, kept from one rows() context to the next.
+
+    A sampler's prefill and its decode steps are separate contexts, and so is every round of
+    the continuous decode batch: without this each would copy every adapter of the batch
+    into fresh stacks (8 rank-32 adapters of the small tiny model: 51 MB, twice per call).
+    An entry holds its source tensors, so their ids cannot be reused while it lives, and is
+    valid while each is at the version it was stacked from: every in-place update (an
+    optimizer step, a restore's copy_) bumps a tensor's version. The last `max_sets` sets
+    of adapters are kept, each a copy of those adapters' weights.
+    """
+
+    def __init__(self, max_sets: int = 2):
+        self.max_sets = max_sets
+        self._sets: OrderedDict[tuple, dict[str, _Stack]] = OrderedDict()
+
+    def get(
+        self, route: _Route, pairs: list, groups: _Groups, path: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (A_g, B_g) for these groups: kept, or stacked now."""
+        key = (groups.size == 1, *(id(route.segments[s][0]) for s in groups.segments))
+        members = [pairs[s] for s in groups.segments]
+        layers = self._sets.get(key)
+        if layers is None:
+            layers = self._sets[key] = {}
+            while len(self._sets) > self.max_sets:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(key)
+        stack = layers.get(path)
+        if stack is None or not stack.still_of(members):
+            sources = [(p.A, p.B) for p in members]
+            versions = [(p.A._version, p.B._version) for p in members]
+            stack = layers[path] = _Stack(*_group_weights(pairs, groups), sources, versions)
+        return stack.a_g, stack.b_g
+
+    def clear(self) -> None:
+        self._sets.clear()
 
 
 @dataclass
@@ -36,7 +92,8 @@ class _Route:
     inverse: torch.Tensor | None = None  # (B,) undoes perm
     slots: list[int] = field(default_factory=list)  # segment index of each row
     cache: dict = field(default_factory=dict)  # per-route layouts and weights of _grouped
-    stacks: WeightStacks | None = None  # the bank's, kept across routes
+    # where _grouped keeps its stacked weights: the bank's, shared by its routes
+    stacks: WeightStacks = field(default_factory=WeightStacks)
 
 
 def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
@@ -122,57 +179,13 @@ def _group_weights(pairs: list, groups: _Groups) -> tuple[torch.Tensor, torch.Te
     return a_g, b_g
 
 
-class WeightStacks:
-    """The stacked weights of _grouped, kept from one rows() context to the next.
-
-    A sampler's prefill and its decode steps are separate contexts, and so is every round of
-    the continuous decode batch: without this each would copy every adapter of the batch
-    into fresh stacks (8 rank-32 adapters of the small tiny model: 51 MB, twice per call).
-    An entry holds its source tensors, so their ids cannot be reused while it lives, and is
-    valid while each is at the version it was stacked from: every in-place update (an
-    optimizer step, a restore's copy_) bumps a tensor's version. The last `max_sets` sets
-    of adapters are kept, each a copy of those adapters' weights.
-    """
-
-    def __init__(self, max_sets: int = 2):
-        self.max_sets = max_sets
-        self._sets: OrderedDict[tuple, dict[str, tuple]] = OrderedDict()
-
-    def get(
-        self, route: _Route, pairs: list, groups: _Groups, path: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (A_g, B_g) for these groups: kept, or stacked now."""
-        key = (groups.size == 1, *(id(route.segments[s][0]) for s in groups.segments))
-        members = [pairs[s] for s in groups.segments]
-        versions = [(p.A._version, p.B._version) for p in members]
-        layers = self._sets.get(key)
-        if layers is None:
-            layers = self._sets[key] = {}
-            while len(self._sets) > self.max_sets:
-                self._sets.popitem(last=False)
-        self._sets.move_to_end(key)
-        entry = layers.get(path)
-        if entry is None or entry[3] != versions or not _same(entry[2], members):
-            a_g, b_g = _group_weights(pairs, groups)
-            entry = layers[path] = (a_g, b_g, [(p.A, p.B) for p in members], versions)
-        return entry[0], entry[1]
-
-    def clear(self) -> None:
-        self._sets.clear()
-
-
-def _same(held: list[tuple[torch.Tensor, torch.Tensor]], members: list) -> bool:
-    return all(a is p.A and b is p.B for (a, b), p in zip(held, members, strict=True))
-
-
 def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> torch.Tensor:
     """out + scale * B(A x) of every row with its own adapter, for a call without gradients
     (a decode step, a prefill, a logprob pass): the rows are gathered into groups of one
     adapter each, then x_g @ A_g^T and (s B_g) @ h run as two batched matmuls over the
     groups, whatever the number of tokens per row. Each row only ever meets its own
     adapter's weights; rows without a LoRA on this layer return `out` as it is. The layout
-    and the weights are built once per route and layer, then reused by every call of the
-    rows() context (a prefill and its decode steps).
+    is planned once per route, the stacked weights are kept by WeightStacks.
     """
     entry = route.cache.get(path)
     if entry is None:
@@ -183,12 +196,7 @@ def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> to
             groups = route.cache.get(present)
             if groups is None:  # the same for every layer that the same adapters target
                 groups = route.cache[present] = _group_rows(route.slots, present, x.device)
-            stacked = (
-                _group_weights(pairs, groups)
-                if route.stacks is None
-                else route.stacks.get(route, pairs, groups, path)
-            )
-            entry = (groups, *stacked)
+            entry = (groups, *route.stacks.get(route, pairs, groups, path))
         route.cache[path] = entry
     groups, a_g, b_g = entry
     if groups is None:

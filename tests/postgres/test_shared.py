@@ -1,6 +1,6 @@
 """`treadle serve --db postgresql://...`: the API flow on PostgreSQL, and two API processes
 (the engine host with its worker, and a frontend) serving the same sessions behind a
-round-robin balancer.
+round-robin balancer; a /v1 stream filed at the frontend is live there.
 
 The same training loop (SFT steps, sampling, a sampler checkpoint, a saved state restored)
 runs through the balancer, its calls alternating between the two processes, and then
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from _roundrobin import RoundRobin
 
@@ -99,6 +100,27 @@ def check_run(run: Run) -> None:
     assert all(1 <= len(s) <= 6 for s in run.sampled)
     np.testing.assert_allclose(run.saved, run.live, atol=2e-3)  # the checkpoint holds it
     np.testing.assert_allclose(run.restored, run.live, atol=2e-3)  # so does the state
+
+
+def check_live_stream(url: str, tokens: int = 192) -> None:
+    """A /v1 stream filed at a frontend arrives as it is sampled at the host (its tokens are
+    notified ahead of the result), and adds up to the answer sent whole."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=WAIT)
+    ask = dict(model=TINY, prompt="Hello", max_tokens=tokens)
+    seed = next(  # the random tiny model rarely says EOS: an answer of max_tokens
+        s
+        for s in range(20)
+        if client.completions.create(**ask, seed=s).choices[0].finish_reason == "length"
+    )
+    t0, times, texts = time.perf_counter(), [], []
+    for chunk in client.completions.create(**ask, seed=seed, stream=True):
+        times.append(time.perf_counter() - t0)
+        texts.append(chunk.choices[0].text)
+    final_at = times[-1]
+    before_final = [t for t in times if t < final_at - 0.05]
+    assert len(before_final) >= tokens // 4, (len(before_final), times[:3], final_at)
+    assert times[0] < 0.5 * final_at, (times[0], final_at)
+    assert "".join(texts) == client.completions.create(**ask, seed=seed).choices[0].text
 
 
 def serve(model: Path, data: Path, db_url: str, name: str, **config: object) -> ServerProcess:
@@ -190,6 +212,7 @@ def test_two_api_processes_serve_one_loop_alternately(pg_url, tiny_model_dir, tm
                 sc = svc.create_sampling_client(model_path=path)
                 lp = sc.compute_logprobs(ModelInput.from_ints(PROBE)).result(WAIT)
                 assert len(lp) == len(PROBE)
+            check_live_stream(front.url)
 
             time.sleep(max(0.0, HEARTBEAT_S + 2 - (time.monotonic() - started)))
             beats.stop()

@@ -239,3 +239,20 @@ def test_a_second_engine_host_is_refused(pair):
 def test_a_frontend_needs_postgresql(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="engine_host false"):
         ServerConfig(models={TINY: str(tiny_model_dir)}, data_dir=str(tmp_path), engine_host=False)
+
+
+def test_progress_notifications_fit_and_keep_their_order():
+    """A stream's tokens as notification bodies: none near PostgreSQL's payload limit, no
+    spaces (the bodies are joined by them), read back in order, -inf logprobs included."""
+    from treadle.server.runtime.ops import Progress
+    from treadle.server.storage.notify import MAX_PAYLOAD, decode_progress, encode_progress
+
+    tokens = [(i % 8, i // 8, 1000 + i, -float(i) / 7) for i in range(1000)]
+    tokens[3] = (3, 0, 7, float("-inf"))
+    items = [Progress("r1", tokens), Progress("r2", tokens[:5])]
+    bodies = encode_progress(items)
+    assert all(len(b) < MAX_PAYLOAD and " " not in b for b in bodies)
+    back = decode_progress(" ".join(bodies))
+    assert [p.request_id for p in back] == ["r1"] * 5 + ["r2"]
+    assert [t for p in back if p.request_id == "r1" for t in p.tokens] == tokens
+    assert back[-1].tokens == tokens[:5]

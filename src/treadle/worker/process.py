@@ -198,6 +198,9 @@ class Worker:
         self._last_hello = time.monotonic()
         engine = self.loop.executor.engine
         device = getattr(engine, "placement", None) or str(getattr(engine, "device", "cpu"))
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if device.startswith("cuda") and gpus:  # which of the machine's GPUs, for status
+            device += f" [GPU {gpus}]"
         hello = messages.Hello(
             self.worker_id, self.facts, self.token, self.replica, pid=os.getpid(), device=device
         )

@@ -116,6 +116,8 @@ class Futures:
         # dedup key → request_id, or the commit still in flight for it
         self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
         self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
+        # streamed samples this engine host runs for another process: their tokens go to it
+        self.relayed: set[str] = set()
 
     # ---- filing ----
     async def file(
@@ -253,6 +255,7 @@ class Futures:
                 self.notify.done(conn, [o.request_id for o in outcomes])
 
         def done(_: Any, error: BaseException | None) -> None:
+            self.relayed.difference_update(o.request_id for o in outcomes)
             resolved = outcomes
             if error is not None:
                 log.error("could not record %d results", len(outcomes), exc_info=error)
@@ -267,8 +270,14 @@ class Futures:
         self.journal.submit(write, done)
 
     def progress(self, items: list[Progress]) -> None:
-        """Any thread: tokens of streamed sample ops, handed to their `updates` readers."""
+        """Any thread: tokens of streamed sample ops, handed to their `updates` readers, or
+        (a stream another API process filed) notified to it, in order, ahead of its result:
+        both go through the journal."""
         self.board.progress(items)
+        away = [p for p in items if p.request_id in self.relayed]
+        if away and self.notify is not None:
+            notify = self.notify
+            self.journal.submit(lambda conn: notify.progress(conn, away), _relayed)
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:
@@ -397,6 +406,11 @@ def _file_forwarded(conn: Any, values: dict[str, Any], notify: Notify, key_id: s
     insert_request(conn, values)
     notify.op(conn, values["request_id"], key_id)
     return values["request_id"]
+
+
+def _relayed(_: Any, error: BaseException | None) -> None:
+    if error is not None:  # the stream's reader gets the whole answer with its result
+        log.warning("could not relay the tokens of a stream: %s", error)
 
 
 def typed_result(kind: OpKind, finished: Finished) -> Result:

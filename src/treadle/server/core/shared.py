@@ -15,6 +15,8 @@ arrive at any of them. What they need of each other travels through the database
 - a control call of a frontend (a sampler loaded from a checkpoint, an adapter checked
   before an import) is a row of control_calls (treadle_calls), run by the host, answered
   in its row (treadle_calls_done; treadle.server.runtime.forward.ControlCalls);
+- the tokens of a streamed sample filed by a frontend are notified as they are sampled
+  (treadle_progress), ahead of its result, so that its stream is live there too;
 - a session or model ended anywhere is announced (treadle_ended): every process forgets
   it, and the host frees what its engines hold of it;
 - the host writes its models' facts when its engines are up (served_models, treadle_models),
@@ -61,8 +63,10 @@ from treadle.server.storage.notify import (
     ENDED,
     MODELS,
     OPS,
+    PROGRESS,
     Listener,
     Notify,
+    decode_progress,
 )
 
 log = logging.getLogger("treadle.shared")
@@ -91,6 +95,7 @@ class Shared:
             CALLS_DONE: self._on_calls_done,
             ENDED: self._on_ended,
             MODELS: self._on_models,
+            PROGRESS: self._on_progress,
         }
         if self.host:
             handlers |= {OPS: self._on_ops, CALLS: self._on_calls}
@@ -190,6 +195,9 @@ class Shared:
     def _on_models(self, body: str) -> None:
         self._models_changed.set()
 
+    def _on_progress(self, body: str) -> None:
+        self.state.futures.progress(decode_progress(body))
+
     # ---- the engine host: requests filed elsewhere ----
     def _on_ops(self, body: str) -> None:
         items = [item.partition(":") for item in body.split()]
@@ -229,6 +237,8 @@ class Shared:
             return
         if state.futures.metrics is not None:  # the console's figures: where results finish
             state.futures.metrics.filed(op, row, key_id=key_id)
+        if isinstance(op.payload, Sample) and op.payload.stream:
+            state.futures.relayed.add(rid)  # its reader is in the process that filed it
         engine.submit(op)
 
     async def _op_of(self, row: dict[str, Any]) -> tuple[EngineClient, Op]:

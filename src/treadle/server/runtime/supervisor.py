@@ -8,7 +8,8 @@ new worker is started, with a short backoff if workers keep dying.
 With `devices` N > 1 the child is `torchrun --standalone --nproc-per-node N` running the
 worker (treadle.worker.group): a group of N ranks for the model. A rank that dies takes
 the group down (torchrun ends the others and exits), and the group is started again as
-one worker would be.
+one worker would be. On GPUs each group gets GPUs of its own while there are enough
+(treadle.server.runtime.placement), through its CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from treadle.server.config import ServerConfig
+from treadle.server.runtime.placement import plan_gpus
 from treadle.server.runtime.remote import TOKEN_ENV
 
 log = logging.getLogger("treadle.supervisor")
@@ -53,6 +55,7 @@ class Supervisor:
         self.address = address
         self.token = token
         self.on_exit = on_exit
+        self.gpus = plan_gpus(config)  # before any worker starts: a bad --devices says so here
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
         self._stopping = threading.Event()
@@ -110,15 +113,24 @@ class Supervisor:
         config_file.write_text(json.dumps(settings))
         n = self.config.devices
         cmd = [sys.executable]
-        env = {**os.environ, TOKEN_ENV: self.token}
         if n > 1:
             cmd += ["-m", "torch.distributed.run", *group_args(n)]
-            # torchrun's default is one thread per rank; CPU ranks share the cores instead
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         cmd += ["-m", "treadle.cli", "worker", "--config", str(config_file)]
         cmd += ["--connect", self.address, "--replica", str(replica)]
-        log.info("starting the worker of %s%s", name, f" ({n} ranks)" if n > 1 else "")
+        env = self.environment(name, replica)
+        gpus = f" on GPUs {env['CUDA_VISIBLE_DEVICES']}" if (name, replica) in self.gpus else ""
+        log.info("starting the worker of %s%s%s", name, f" ({n} ranks)" if n > 1 else "", gpus)
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+    def environment(self, name: str, replica: int) -> dict[str, str]:
+        """The worker group's environment: this process's, the hub's token, its GPUs."""
+        env = {**os.environ, TOKEN_ENV: self.token}
+        if (name, replica) in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[(name, replica)])
+        n = self.config.devices
+        if n > 1:  # torchrun's default is one thread per rank; CPU ranks share the cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        return env
 
 
 def group_args(n: int) -> list[str]:

@@ -12,6 +12,7 @@ it sent itself (it acted on it already, in memory).
 | treadle_calls | call_id | the engine host: run a control call (load a sampler, ...) |
 | treadle_done | request_id ... | every process: these results are committed |
 | treadle_calls_done | call_id | every process: this control call has its answer |
+| treadle_progress | base64 msgpack tokens | every process: tokens of a streamed sample filed elsewhere |
 | treadle_ended | session ID STATUS, model ID | every process: forget them; the host frees them |
 | treadle_models | (none) | every process: the served models' facts were written |
 
@@ -22,17 +23,23 @@ it sent itself (it acted on it already, in memory).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy import Connection, make_url, text
 
+from treadle.server.runtime import messages
+from treadle.server.runtime.ops import Progress
+
 log = logging.getLogger("treadle.notify")
 
 OPS, CALLS, DONE, CALLS_DONE = "treadle_ops", "treadle_calls", "treadle_done", "treadle_calls_done"
-ENDED, MODELS = "treadle_ended", "treadle_models"
+ENDED, MODELS, PROGRESS = "treadle_ended", "treadle_models", "treadle_progress"
 MAX_PAYLOAD = 7000  # bytes; PostgreSQL's limit is 8000
+# tokens of a streamed op per progress body: about 20 bytes each once encoded, far below it
+PROGRESS_TOKENS = 200
 # Key of the session-level advisory lock the engine host holds (one host per database).
 HOST_LOCK = 0x74726561646C  # "treadl"
 # TCP keepalives of the listening connection: a peer gone silent is noticed in ~15 s.
@@ -85,6 +92,23 @@ class Notify:
 
     def models(self, conn: Connection) -> None:
         self.send(conn, MODELS, [""])
+
+    def progress(self, conn: Connection, items: list[Progress]) -> None:
+        self.send(conn, PROGRESS, encode_progress(items))
+
+
+def encode_progress(items: list[Progress]) -> list[str]:
+    """Progress as notification bodies (no spaces), each of at most PROGRESS_TOKENS tokens."""
+    bodies = []
+    for item in items:
+        for start in range(0, len(item.tokens), PROGRESS_TOKENS):
+            part = Progress(item.request_id, item.tokens[start : start + PROGRESS_TOKENS])
+            bodies.append(base64.b64encode(messages.encode(part)).decode("ascii"))
+    return bodies
+
+
+def decode_progress(body: str) -> list[Progress]:
+    return [messages.decode(base64.b64decode(b), Progress) for b in body.split()]
 
 
 def conninfo(url: str) -> str:

@@ -71,7 +71,7 @@ def test_resubmissions_are_recognised_after_memory_lets_their_keys_go(tmp_path):
         assert await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, seq_id=1, **kw) == train
         assert len(engine.ops) == 2  # recognised in memory: not queued again
 
-        futures.filed.clear()  # as if many later requests had pushed these keys out
+        futures.keys.clear()  # as if many later requests had pushed these keys out
         engine.next_seq, engine.ops = 2, []  # seq 1 has run
         assert await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, seq_id=1, **kw) == train
         assert await futures.file(engine, OpKind.SAMPLE, SAMPLE, seq_id=7, **sample_kw) == sample

@@ -4,7 +4,8 @@ One database write per request, one per result, both through the journal:
 - `file` commits the request row with the op's payload (the op log that recovery replays:
   treadle.server.core.recovery), then hands the op to its engine (never before: a write
   that fails queues nothing); a resubmitted key gets the original request_id back and
-  queues nothing, whether memory still knows the key or only the database does;
+  queues nothing, whether memory still knows the key or only the database does
+  (treadle.server.core.dedup);
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
   the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
@@ -46,6 +47,7 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.server.core.board import FutureBoard
+from treadle.server.core.dedup import FiledKeys
 from treadle.server.core.limits import Admission
 from treadle.server.core.metrics import Metrics
 from treadle.server.core.results import encode, error_json, error_of
@@ -70,7 +72,6 @@ from treadle.server.storage.queries import (
     finish_requests,
     finished_by_id,
     insert_request,
-    request_id_of,
     request_row,
 )
 from treadle.server.storage.rows import new_id
@@ -79,8 +80,6 @@ from treadle.server.tenancy.spend import current_key_id
 
 log = logging.getLogger("treadle.futures")
 
-# Dedup keys remembered in memory; an older key is still recognised, by the database.
-MAX_FILED_KEYS = 100_000
 # Owners of futures remembered in memory; an older one is read from its request row.
 MAX_REQUEST_OWNERS = 100_000
 
@@ -113,8 +112,7 @@ class Futures:
         self.admission = admission
         self.long_poll_s = long_poll_s
         self.metrics = metrics
-        # dedup key → request_id, or the commit still in flight for it
-        self.filed: OrderedDict[str, str | asyncio.Future[str]] = OrderedDict()
+        self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
         self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
         # streamed samples this engine host runs for another process: their tokens go to it
         self.relayed: set[str] = set()
@@ -136,7 +134,7 @@ class Futures:
         original's, and nothing is queued again)."""
         owner = model_id if sampling_session_id is None else sampling_session_id
         key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
-        if key is not None and (found := await self._known(key)) is not None:
+        if key is not None and (found := await self.keys.known(key)) is not None:
             return found
         if kind != OpKind.SAMPLE:
             if seq_id is None:
@@ -145,7 +143,7 @@ class Futures:
                 engine.check_seq(model_id, seq_id)
             except InvalidRequestError:
                 # a seq_id that ran long ago: a resubmission whose key memory let go
-                if (found := await self._filed_in_db(key)) is not None:
+                if (found := await self.keys.in_db(key)) is not None:
                     return found
                 raise
         if kind != OpKind.SKIP:
@@ -187,12 +185,12 @@ class Futures:
         # bookkeeping in a callback, so that it happens even if this request is cancelled
         committed.add_done_callback(functools.partial(self._settled, key, op.request_id))
         if key is not None:
-            self.filed[key] = committed
+            self.keys.filing(key, committed)
         try:
             return await asyncio.shield(committed)
         except IntegrityError:
             # filed before under this key, by a request whose key memory let go
-            if (found := await self._filed_in_db(key)) is not None:
+            if (found := await self.keys.in_db(key)) is not None:
                 return found
             raise
 
@@ -366,39 +364,13 @@ class Futures:
     def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:
         if not committed.cancelled() and committed.exception() is None:
             if key is not None:
-                self._remember(key, rid)
+                self.keys.remember(key, rid)
             return
         self.board.forget(rid)
         if self.metrics is not None:
             self.metrics.forget(rid)
-        if key is not None and self.filed.get(key) is committed:
-            del self.filed[key]
-
-    async def _known(self, key: str) -> str | None:
-        known = self.filed.get(key)
-        if known is None or isinstance(known, str):
-            return known
-        try:  # an identical request is being filed right now: its answer is ours
-            return await asyncio.shield(known)
-        except Exception:
-            return await self._filed_in_db(key)
-
-    def _remember(self, key: str, rid: str) -> None:
-        self.filed[key] = rid
-        self.filed.move_to_end(key)
-        while len(self.filed) > MAX_FILED_KEYS:
-            oldest, value = next(iter(self.filed.items()))
-            if not isinstance(value, str):
-                break  # never drop a commit in flight
-            del self.filed[oldest]
-
-    async def _filed_in_db(self, key: str | None) -> str | None:
-        if key is None:
-            return None
-        found = await self.journal.run(functools.partial(request_id_of, dedup_key=key))
-        if found is not None:
-            self._remember(key, found)
-        return found
+        if key is not None:
+            self.keys.failed(key, committed)
 
 
 def _file_forwarded(conn: Any, values: dict[str, Any], notify: Notify, key_id: str | None) -> str:

@@ -23,7 +23,7 @@ from treadle.engine.types import (
     SampleSpec,
     TrainDatum,
 )
-from treadle.server.runtime.engine_client import EngineFacts
+from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.ops import (
@@ -213,6 +213,40 @@ def test_a_sampler_dropped_mid_generation_is_freed_when_it_ends(loop, engine, tm
     assert "ck:1" not in engine.bank
     want = engine.sample([sample_op("x", 64, 7, adapter="m-c").payload.request])[0]
     assert log.outcomes["gen"].result.sequences[0].tokens == want.sequences[0].tokens
+
+
+def test_a_model_unloaded_with_its_snapshot_still_deferred_is_freed(engine, tmp_path):
+    """A state snapshot waits for an idle moment, which a running generation does not give:
+    a session ended meanwhile is unloaded all the same (the snapshot of a model being freed
+    is dropped), and the generation of another goes on."""
+    log, snapshots = Log(engine), []
+    executor = OpExecutor(engine, writer=None, state_root=tmp_path)
+    loop = EngineLoop(
+        EngineFacts.of("tiny", engine),
+        executor,
+        log.outcome,
+        on_progress=log.on_progress,
+        on_snapshot=snapshots.append,
+        snapshots=SnapshotPolicy(every_steps=1),
+    )
+    loop.log = log
+    loop.start()
+    try:
+        create(loop, "m-s")
+        loop.submit(sample_op("long", max_tokens=512, seed=3, stream=True))
+        log.wait(lambda: streamed_tokens(log, "long") >= 2)
+        loop.submit(train_op("m-s", 1))
+        loop.submit(train_op("m-s", 2, OpKind.OPTIM_STEP))
+        log.wait(lambda: "m-s:2" in log.outcomes)  # its snapshot is due: deferred
+        assert "long" not in log.outcomes  # still decoding: no idle moment yet
+        loop.control("unload_model", model_id="m-s", reason="session ended").result(WAIT)
+        assert "m-s" not in engine.bank.adapters
+        log.wait(lambda: "long" in log.outcomes)
+        assert log.outcomes["long"].error is None
+        assert snapshots == []  # nothing written for a model that is gone
+    finally:
+        loop.stop()
+        log.close()
 
 
 def test_yield_decode_gives_way_to_runnable_ops_only():

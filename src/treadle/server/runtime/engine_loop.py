@@ -240,10 +240,12 @@ class EngineLoop(NamedControls):
         """Engine thread: fail the model's queued ops, finish its durable writes, free it."""
         with self._cond:
             queue = self.queues.pop(model_id, None)
-        # Durable writes of this model were acknowledged as accepted: finish them first.
-        for job in [j for j in self.deferred if j.op.model_id == model_id]:
+        # Durable writes of this model were acknowledged as accepted: finish them first (a
+        # state snapshot, op None, of a model being freed is dropped: nothing replays it).
+        for job in [j for j in self.deferred if j.model_id == model_id]:
             self.deferred.remove(job)
-            self._finish([self._run_deferred(job)])
+            if job.op is not None:
+                self._finish([self._run_deferred(job)])
         dropped = list(queue.pending.values()) if queue else []
         self._finish([Outcome.failed(op.request_id, NotFoundError(reason)) for op in dropped])
         self._changed.pop(model_id, None)

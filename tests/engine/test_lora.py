@@ -166,6 +166,37 @@ def test_stacked_weights_follow_every_change_of_their_adapters(engine, helpers, 
 
 
 @torch.no_grad()
+def test_stacked_weights_are_kept_within_their_budget(engine, helpers, new_id):
+    """The last two sets of adapters are kept, and a set larger than the byte budget is
+    stacked anew for each call (the same numbers either way)."""
+    ids = [new_id() for _ in range(4)]
+    for i, x in enumerate(ids):
+        engine.create_adapter(x, LoraSpec(rank=4, seed=i))
+        helpers.perturb(engine.bank.live(x), seed=i)
+    stacks, tokens = engine.bank.stacks, _ids(engine, B=2, T=1)
+
+    def mixed(keys: list) -> torch.Tensor:
+        with engine.bank.rows(keys):
+            return engine.model(input_ids=tokens).logits  # (2, 1, V)
+
+    stacks.clear()
+    first = mixed(ids[:2])
+    for pair in (ids[1:3], ids[2:4]):
+        mixed(pair)
+    assert len(stacks) == 2 and stacks.nbytes > 0  # the oldest set went
+    budget, stacks.max_bytes = stacks.max_bytes, stacks.nbytes // 4
+    try:
+        again = mixed(ids[:2])
+        assert len(stacks) <= 2 and stacks.nbytes <= stacks.max_bytes
+        assert torch.equal(first, again)
+    finally:
+        stacks.max_bytes = budget
+    for x in ids:
+        engine.drop_adapter(x)
+    assert len(stacks) == 0  # dropping an adapter lets go of its copies
+
+
+@torch.no_grad()
 def test_tied_embedding_untouched_by_unembed_lora(engine, helpers, new_id):
     emb = engine.model.get_input_embeddings().weight
     before = emb.clone()

@@ -92,7 +92,7 @@ class AdapterBank:
         self.snapshots: dict[str, Adapter] = {}
         self._hooked: dict[str, nn.Linear] = {}  # paths whose forward is ours
         self._route: _Route | None = None
-        self._stacks = WeightStacks()  # _grouped's stacked adapter weights, across routes
+        self.stacks = WeightStacks()  # _grouped's stacked adapter weights, across routes
 
     # ---- adapters ----
     def target_paths(self, spec: LoraSpec) -> list[str]:
@@ -201,7 +201,7 @@ class AdapterBank:
             raise NotFoundError(f"adapter {adapter_id!r} does not exist")
         adapter.layers.clear()
         adapter.extra.clear()
-        self._stacks.clear()  # they may hold copies of its weights: free those too
+        self.stacks.clear()  # they may hold copies of its weights: free those too
 
     def snapshot(self, adapter_id: str, snapshot_id: str) -> Adapter:
         """Freeze a copy of the adapter's current weights (memory only, detached)."""
@@ -218,7 +218,7 @@ class AdapterBank:
     def drop_snapshot(self, snapshot_id: str) -> None:
         if self.snapshots.pop(snapshot_id, None) is None:
             raise NotFoundError(f"snapshot {snapshot_id!r} does not exist")
-        self._stacks.clear()
+        self.stacks.clear()
 
     def live(self, adapter_id: str) -> Adapter:
         try:
@@ -260,12 +260,12 @@ class AdapterBank:
         slot = {k: i for i, k in enumerate(order)}
         slots = [slot[k] for k in keys]
         if len(runs) == len(order):  # each key's rows already contiguous
-            return _Route(len(keys), None, segments, slots=slots, stacks=self._stacks)
+            return _Route(len(keys), None, segments, slots=slots, stacks=self.stacks)
         perm_list = sorted(range(len(keys)), key=lambda i: slot[keys[i]])  # stable
         perm = torch.tensor(perm_list, device=device)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(len(keys), device=device)
-        return _Route(len(keys), None, segments, perm, inverse, slots, stacks=self._stacks)
+        return _Route(len(keys), None, segments, perm, inverse, slots, stacks=self.stacks)
 
     def _hook(self, path: str) -> None:
         if path in self._hooked:

@@ -28,6 +28,10 @@ class _Stack(NamedTuple):
     sources: list[tuple[torch.Tensor, torch.Tensor]]  # each group's (A, B)
     versions: list[tuple[int, int]]
 
+    @property
+    def nbytes(self) -> int:
+        return self.a_g.nbytes + self.b_g.nbytes
+
     def still_of(self, members: list) -> bool:
         """Made of these very tensors, none changed since."""
         return all(
@@ -45,12 +49,15 @@ class WeightStacks:
     An entry holds its source tensors, so their ids cannot be reused while it lives, and is
     valid while each is at the version it was stacked from: every in-place update (an
     optimizer step, a restore's copy_) bumps a tensor's version. The last `max_sets` sets
-    of adapters are kept, each a copy of those adapters' weights.
+    of adapters are kept, in at most `max_bytes` of copies: a set larger than that (64
+    adapters of a large model) is stacked for each route instead, as if nothing were kept.
     """
 
-    def __init__(self, max_sets: int = 2):
+    def __init__(self, max_sets: int = 2, max_bytes: int = 1 << 30):
         self.max_sets = max_sets
+        self.max_bytes = max_bytes
         self._sets: OrderedDict[tuple, dict[str, _Stack]] = OrderedDict()
+        self._bytes: dict[tuple, int] = {}
 
     def get(
         self, route: _Route, pairs: list, groups: _Groups, path: str
@@ -58,21 +65,42 @@ class WeightStacks:
         """This layer's (A_g, B_g) for these groups: kept, or stacked now."""
         key = (groups.size == 1, *(id(route.segments[s][0]) for s in groups.segments))
         members = [pairs[s] for s in groups.segments]
-        layers = self._sets.get(key)
-        if layers is None:
-            layers = self._sets[key] = {}
-            while len(self._sets) > self.max_sets:
-                self._sets.popitem(last=False)
+        layers = self._sets.setdefault(key, {})
         self._sets.move_to_end(key)
         stack = layers.get(path)
         if stack is None or not stack.still_of(members):
+            old = 0 if stack is None else stack.nbytes
             sources = [(p.A, p.B) for p in members]
             versions = [(p.A._version, p.B._version) for p in members]
             stack = layers[path] = _Stack(*_group_weights(pairs, groups), sources, versions)
+            self._bytes[key] = self._bytes.get(key, 0) - old + stack.nbytes
+            self._evict(keep=key)
         return stack.a_g, stack.b_g
+
+    def _evict(self, keep: tuple) -> None:
+        """The oldest sets out until the rest fit; `keep` too if it alone does not."""
+        while len(self._sets) > 1 and (
+            len(self._sets) > self.max_sets or self.nbytes > self.max_bytes
+        ):
+            oldest = next(iter(self._sets))
+            self._sets.pop(oldest)
+            self._bytes.pop(oldest, None)
+        if self._bytes.get(keep, 0) > self.max_bytes:
+            self._sets.pop(keep, None)
+            self._bytes.pop(keep, None)
 
     def clear(self) -> None:
         self._sets.clear()
+        self._bytes.clear()
+
+    def __len__(self) -> int:
+        """Sets of adapters kept."""
+        return len(self._sets)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stacked copies kept."""
+        return sum(self._bytes.values())
 
 
 @dataclass

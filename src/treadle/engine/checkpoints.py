@@ -26,7 +26,7 @@ from torch import nn
 
 from treadle.engine.lora import Adapter, AdapterBank
 from treadle.engine.models import load_tokenizer, model_source
-from treadle.engine.train import check_optimizer_state, optimizer_of
+from treadle.engine.optim import check_optimizer_state, optimizer_of
 from treadle.engine.types import LoraSpec
 from treadle.errors import InvalidRequestError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from treadle.engine import checkpoints, train
+from treadle.engine import checkpoints, optim, train
 from treadle.engine.lora import AdapterBank
 from treadle.engine.models import load_base_model
 from treadle.engine.types import (
@@ -101,7 +101,7 @@ class Engine:
 
     def optim_step(self, adapter_id: str, spec: AdamSpec) -> dict[str, float]:
         """AdamW (torch's) on the accumulated gradients; returns grad_norm:mean, learning_rate:mean."""
-        return train.optim_step(self.bank.live(adapter_id), spec)
+        return optim.optim_step(self.bank.live(adapter_id), spec)
 
     # ---- sampling ----
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:

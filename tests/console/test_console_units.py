@@ -21,9 +21,10 @@ from treadle.errors import QuotaExceededError
 from treadle.server.config import InputLimits, Price
 from treadle.server.core import timeline
 from treadle.server.core.board import FutureBoard
+from treadle.server.core.figures import check_user_metrics
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics, check_user_metrics
+from treadle.server.core.metrics import Metrics
 from treadle.server.runtime.engine_client import EngineFacts
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.ops import (

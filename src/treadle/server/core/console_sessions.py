@@ -28,7 +28,7 @@ from treadle.server.core.console_base import (
     _scoped,
     _version,
 )
-from treadle.server.core.metrics import SERVER_FIGURES
+from treadle.server.core.figures import SERVER_FIGURES
 from treadle.server.tenancy import metering
 
 MAX_SESSIONS = 500

@@ -11,7 +11,7 @@ recorded where every outcome finishes (treadle.server.core.futures).
   - the step figures of a training model (step_figures): step s of a model is the number of
     optim_steps it completed before; each forward_backward adds to its step's loss sum,
     loss tokens and tokens, an optim_step sets grad_norm and learning_rate and closes the
-    step;
+    step (their names and their write: treadle.server.core.figures);
   and feeds the spend caps' counters (treadle.server.tenancy.spend).
 - A thread of its own writes what was recorded through the journal, FLUSH_S after the first
   of it, in one write: a result is never held up by its figures, nor a loop's next request
@@ -38,9 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, delete, insert
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection, insert
 
+from treadle.server.core.figures import (
+    GRAD_NORM,
+    LEARNING_RATE,
+    LOSS,
+    LOSS_SUM,
+    LOSS_TOKENS,
+    TOKENS,
+    write_figures,
+)
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.ops import (
     TRAIN_KINDS,
@@ -51,25 +59,18 @@ from treadle.server.runtime.ops import (
     Sample,
     TrainData,
 )
-from treadle.server.storage.rows import OpRecordRow, StepFigureRow
+from treadle.server.storage.rows import OpRecordRow
 from treadle.server.tenancy.spend import SpendBook, current_key_id
 
 log = logging.getLogger("treadle.metrics")
 
-OP_RECORDS, STEP_FIGURES = OpRecordRow.__table__, StepFigureRow.__table__
+OP_RECORDS = OpRecordRow.__table__
 # Ops filed and not finished, remembered in memory (a lost one must not grow the server).
 MAX_PENDING = 100_000
 # Engine calls remembered per served model for the batch sizes of the overview.
 MAX_CALLS = 4096
-# The server's own figures of a step.
-LOSS = "server/loss"  # loss:sum per loss token (targets with a non-zero weight)
-LOSS_SUM, LOSS_TOKENS, TOKENS = "server/loss_sum", "server/loss_tokens", "server/tokens"
-GRAD_NORM, LEARNING_RATE = "server/grad_norm", "server/learning_rate"
-SERVER_FIGURES = (LOSS, GRAD_NORM, LEARNING_RATE, TOKENS, LOSS_SUM, LOSS_TOKENS)
 # How long recorded figures gather before one write (a loop's next request never waits on them).
 FLUSH_S = 0.2
-MAX_NAME_CHARS = 128
-MAX_METRICS_PER_CALL = 512
 
 
 @dataclass
@@ -342,79 +343,6 @@ def _write(
     now = time.time()
     for (model_id, step), (f, values) in figures.items():
         write_figures(conn, f.tenant_id, f.session_id or "", model_id, step, values, "server", now)
-
-
-def write_figures(
-    conn: Connection,
-    tenant_id: str,
-    session_id: str,
-    model_id: str,
-    step: int,
-    values: Mapping[str, float],
-    source: str,
-    at: float,
-) -> None:
-    """Replace the figures `values` of (model, step, source): one upsert on SQLite and
-    PostgreSQL, a delete and an insert elsewhere."""
-    if not values:
-        return
-    t = STEP_FIGURES
-    rows = [
-        {
-            "tenant_id": tenant_id,
-            "session_id": session_id,
-            "model_id": model_id,
-            "step": step,
-            "name": name,
-            "value": float(value),
-            "source": source,
-            "at": at,
-        }
-        for name, value in values.items()
-    ]
-    dialect = conn.dialect.name
-    if dialect in ("sqlite", "postgresql"):
-        module = sqlite if dialect == "sqlite" else postgresql
-        stmt = module.insert(t)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["model_id", "step", "name", "source"],
-            set_={"value": stmt.excluded.value, "at": stmt.excluded.at},
-        )
-        conn.execute(stmt, rows)
-        return
-    conn.execute(
-        delete(t).where(
-            (t.c.model_id == model_id)
-            & (t.c.step == step)
-            & (t.c.source == source)
-            & t.c.name.in_(list(values))
-        )
-    )
-    conn.execute(insert(t), rows)
-
-
-def check_user_metrics(step: Any, metrics: Any) -> tuple[int, dict[str, float], list[str]]:
-    """A log_metrics body → (step, the finite numbers, the names skipped as not finite);
-    ValueError naming the field otherwise."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
-        raise ValueError(f"step: expected an integer in [0, 2^31), got {step!r}")
-    if not isinstance(metrics, dict) or not metrics:
-        raise ValueError("metrics: expected a non-empty object of name → number")
-    if len(metrics) > MAX_METRICS_PER_CALL:
-        raise ValueError(f"metrics: at most {MAX_METRICS_PER_CALL} per call, got {len(metrics)}")
-    kept, skipped = {}, []
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
-            raise ValueError(f"metrics: names are 1-{MAX_NAME_CHARS} characters, got {name!r}")
-        if name.startswith("server/"):
-            raise ValueError(f"metrics: {name!r}: the prefix server/ is the server's own")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"metrics.{name}: expected a number, got {value!r}")
-        if math.isfinite(value):
-            kept[name] = float(value)
-        else:
-            skipped.append(name)
-    return step, kept, skipped
 
 
 def _loss_tokens(tokens: np.ndarray, loss_inputs: Mapping[str, np.ndarray]) -> int:

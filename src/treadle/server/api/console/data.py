@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.server.api.console.deps import ViewerDep, ViewsDep
 from treadle.server.api.deps import StateDep
-from treadle.server.core.metrics import check_user_metrics
+from treadle.server.core.figures import check_user_metrics
 from treadle.server.tenancy import metering
 from treadle.server.tenancy.auth import owns
 

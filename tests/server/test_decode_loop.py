@@ -34,6 +34,7 @@ from treadle.server.runtime.ops import (
     Outcome,
     Progress,
     Sample,
+    Snapshot,
     TrainData,
 )
 from treadle.server.runtime.scheduler import ModelQueue, yield_decode
@@ -247,6 +248,36 @@ def test_a_model_unloaded_with_its_snapshot_still_deferred_is_freed(engine, tmp_
     finally:
         loop.stop()
         log.close()
+
+
+def test_a_sample_of_a_sampler_still_to_be_replayed_waits_for_it(loop, engine):
+    """A restart's recovery queues a model's replays, then its unfinished samples: a sample
+    of a sampler made after the model's last state snapshot (a
+    save_weights_and_get_sampling_client acknowledged just before the crash) waits until the
+    replay has made its weights again, and then samples from them."""
+    log = loop.log
+    loop.add_model("m-r")
+    snap = Snapshot("smp-r", 0, "s", "tiny", "t")
+    replays = [
+        Op("m-r:0", OpKind.CREATE, CreateAdapter(LoraSpec(rank=4, seed=2)), "m-r", 0),
+        train_op("m-r", 1),
+        train_op("m-r", 2, OpKind.OPTIM_STEP),
+        Op("m-r:3", OpKind.SNAPSHOT, snap, "m-r", 3),
+    ]
+    for op in replays:
+        op.replay = True
+    asleep, woke = threading.Event(), threading.Event()
+    loop.call(lambda: (asleep.set(), woke.wait(WAIT)))  # everything arrives in one round
+    asleep.wait(WAIT)
+    for op in replays:
+        loop.submit(op)
+    loop.submit(sample_op("after", max_tokens=8, seed=4, adapter="snap:smp-r"))
+    woke.set()
+    log.wait(lambda: "after" in log.outcomes)
+    assert log.outcomes["after"].error is None, log.outcomes["after"].error
+    want = engine.sample([sample_op("x", 8, 4, adapter="snap:smp-r").payload.request])[0]
+    assert log.outcomes["after"].result.sequences[0].tokens == want.sequences[0].tokens
+    loop.control("unload_model", model_id="m-r", reason="done").result(WAIT)
 
 
 def test_yield_decode_gives_way_to_runnable_ops_only():

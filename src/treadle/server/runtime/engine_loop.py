@@ -281,7 +281,8 @@ class EngineLoop(NamedControls):
             for fn, fut in calls:
                 _run_call(fn, fut)
             with self._cond:
-                steps = plan_round(self.queues, self.samples, self._room(), self.max_merge_tokens)
+                ready = self._runnable_samples_locked()
+                steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
                 for step in steps:
                     if step.kind == "sample":
                         taken = {id(op) for op in step.ops}
@@ -307,7 +308,7 @@ class EngineLoop(NamedControls):
             with self._cond:
                 if self._stopping or self._calls:
                     return True
-                return yield_decode(self.queues, self.samples, self._room())
+                return yield_decode(self.queues, self._runnable_samples_locked(), self._room())
 
         progress = self._progress if self._on_progress is not None else None
         self._finish(self.executor.decode(until, progress))  # type: ignore[arg-type]
@@ -344,9 +345,25 @@ class EngineLoop(NamedControls):
         return None if first is None else max(0.0, first - time.monotonic())
 
     def _has_work_locked(self) -> bool:
-        if self._calls or self.samples or self.deferred or self.executor.sampling:
+        if self._calls or self.deferred or self.executor.sampling:
+            return True
+        if self._runnable_samples_locked():
             return True
         return any(q.next_seq in q.pending for q in self.queues.values())
+
+    def _runnable_samples_locked(self) -> list[Op]:
+        """The sample ops that may run now. After a restart, a sample of a sampler that the
+        replay of its model's ops has yet to make again (a save_weights_and_get_sampling_client
+        acknowledged after the model's last state snapshot) waits while replays are queued;
+        then it runs, or fails if its weights never came back."""
+        if not self.samples:
+            return self.samples
+        if not any(op.replay for q in self.queues.values() for op in q.pending.values()):
+            return self.samples
+        return [op for op in self.samples if self._weights_exist(op.payload.request.adapter)]
+
+    def _weights_exist(self, ref: str | None) -> bool:
+        return ref is None or ref in self.queues or self.executor.is_live(ref)
 
     def _execute(self, step: Step) -> None:
         started = time.time()  # the console's request timeline (Outcome.timed)

@@ -55,6 +55,7 @@ from treadle.server.runtime.scheduler import (
     expire_parked,
     parked_deadline,
     plan_round,
+    runnable_samples,
     yield_decode,
 )
 
@@ -352,18 +353,7 @@ class EngineLoop(NamedControls):
         return any(q.next_seq in q.pending for q in self.queues.values())
 
     def _runnable_samples_locked(self) -> list[Op]:
-        """The sample ops that may run now. After a restart, a sample of a sampler that the
-        replay of its model's ops has yet to make again (a save_weights_and_get_sampling_client
-        acknowledged after the model's last state snapshot) waits while replays are queued;
-        then it runs, or fails if its weights never came back."""
-        if not self.samples:
-            return self.samples
-        if not any(op.replay for q in self.queues.values() for op in q.pending.values()):
-            return self.samples
-        return [op for op in self.samples if self._weights_exist(op.payload.request.adapter)]
-
-    def _weights_exist(self, ref: str | None) -> bool:
-        return ref is None or ref in self.queues or self.executor.is_live(ref)
+        return runnable_samples(self.queues, self.samples, self.executor.is_live)
 
     def _execute(self, step: Step) -> None:
         started = time.time()  # the console's request timeline (Outcome.timed)

@@ -8,6 +8,7 @@ alone; the engine loop (treadle.server.runtime.engine_loop) calls them under its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -196,6 +197,26 @@ def plan_round(
             Step("sample", sorted(samples, key=lambda op: op.enqueued_at)[:max_sample_batch])
         )
     return steps
+
+
+def runnable_samples(
+    queues: dict[str, ModelQueue], samples: list[Op], is_live: Callable[[str], bool]
+) -> list[Op]:
+    """The recovery rule: which waiting sample ops may run now.
+
+    After a restart, recovery queues each model's replays, then its unfinished samples. A
+    sample of a sampler that a replay has yet to make again (a
+    save_weights_and_get_sampling_client acknowledged after the model's last state
+    snapshot) waits while replays are queued; then it runs, or fails if its weights never
+    came back. Without queued replays every sample may run.
+    """
+    if not samples or not any(op.replay for q in queues.values() for op in q.pending.values()):
+        return samples
+    return [
+        op
+        for op in samples
+        if (ref := op.payload.request.adapter) is None or ref in queues or is_live(ref)
+    ]
 
 
 def yield_decode(queues: dict[str, ModelQueue], samples: list[Op], room: int) -> bool:

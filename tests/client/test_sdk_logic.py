@@ -266,6 +266,33 @@ def test_unreachable_server_fails_fast_with_a_connection_error():
     assert time.monotonic() - t0 < FAST_RETRY.deadline_s + 2
 
 
+def test_a_transport_never_closed_is_released_when_collected_and_at_exit(fake):
+    import gc
+    import subprocess
+    import sys
+    import threading
+
+    from treadle.client.transport import Transport
+
+    transport = Transport(fake.url, None)
+    assert transport.call(transport.post("/api/v1/client/config", {})) is not None
+    thread = transport._thread
+    del transport
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()  # its loop stopped, its pool closed
+    assert threading.active_count() < 50
+    # left open until the interpreter exits: closed then, with nothing reported
+    script = (
+        "from treadle.client.transport import Transport\n"
+        f"t = Transport({fake.url!r}, None)\n"
+        "print(type(t.call(t.post('/api/v1/client/config', {}))).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "dict", run.stderr
+    assert "Unclosed" not in run.stderr, run.stderr
+
+
 def test_tokenizer_without_transformers_encodes_alike(tiny_model_dir):
     from treadle.client.tokenizer import RawTokenizer, load_from_dir
 

@@ -114,7 +114,7 @@ class ServiceClient:
         self.model_package_group = model_package_group
         self.output_path = output_path
         if encryption_key:
-            self.transport._client.headers[ENCRYPTION_HEADER] = encryption_key
+            self.transport.headers[ENCRYPTION_HEADER] = encryption_key
         self.checkpoints = CheckpointsClient(self.transport)
         _open_clients.add(self)
 

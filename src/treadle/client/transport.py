@@ -89,6 +89,11 @@ def is_transient(status_code: int) -> bool:
     return status_code in (408, 429) or status_code >= 500
 
 
+def _said(exc: BaseException) -> str:
+    """A transport error in one line: its class and message (aiohttp's reprs run long)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def should_retry(resp: Reply) -> bool:
     """A transient status, unless the server says asking again cannot help (a 429 for a
     quota that time does not clear, such as the LoRA rank, says `x-should-retry: false`);
@@ -214,8 +219,8 @@ class Transport:
                 raise APIConnectionError(f"{method} {path}: invalid URL: {exc}") from exc
             except TRANSPORT_ERRORS as exc:
                 if not retry or time.monotonic() - start > deadline:
-                    raise APIConnectionError(f"{method} {path} failed: {exc!r}") from exc
-                log.info("%s %s: %r, retrying", method, path, exc)
+                    raise APIConnectionError(f"{method} {path} failed: {_said(exc)}") from exc
+                log.info("%s %s: %s, retrying", method, path, _said(exc))
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
                 continue
@@ -284,7 +289,7 @@ class Transport:
                 )
             except TRANSPORT_ERRORS as exc:
                 if time.monotonic() - last_progress > self.retry.deadline_s:
-                    raise APIConnectionError(f"retrieve_future {request_id}: {exc!r}") from exc
+                    raise APIConnectionError(f"retrieve_future {request_id}: {_said(exc)}") from exc
                 await asyncio.sleep(self.retry.backoff(attempt))
                 attempt += 1
                 continue

@@ -89,6 +89,11 @@ def is_transient(status_code: int) -> bool:
     return status_code in (408, 429) or status_code >= 500
 
 
+def as_json(body: Any, headers: dict[str, str] | None) -> tuple[bytes, dict[str, str]]:
+    """A JSON body and the headers that say so."""
+    return jsonlib.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+
+
 def _said(exc: BaseException) -> str:
     """A transport error in one line: its class and message (aiohttp's reprs run long)."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -212,9 +217,11 @@ class Transport:
         deadline = self.retry.deadline_s if deadline_s is None else deadline_s
         start = time.monotonic()
         attempt = 0
+        if content is None and json is not None:
+            content, headers = as_json(json, headers)
         while True:
             try:
-                resp = await self.send(method, path, json, content, headers, timeout)
+                resp = await self.send(method, path, content, headers, timeout)
             except aiohttp.InvalidURL as exc:
                 raise APIConnectionError(f"{method} {path}: invalid URL: {exc}") from exc
             except TRANSPORT_ERRORS as exc:
@@ -238,15 +245,11 @@ class Transport:
         self,
         method: str,
         path: str,
-        json: Any = None,
-        content: bytes | None = None,
-        headers: dict[str, str] | None = None,
+        content: bytes | None,
+        headers: dict[str, str] | None,
         timeout: float | None = None,
     ) -> Reply:
         """One attempt: the reply read whole, whatever its status."""
-        if content is None and json is not None:
-            content = jsonlib.dumps(json).encode()
-            headers = {"Content-Type": "application/json", **(headers or {})}
         async with self._client.request(
             method,
             URL(self.base_url + path, encoded=True),  # paths come quoted already: sent as is
@@ -276,7 +279,9 @@ class Transport:
         headers = {"X-Tinker-Request-Type": request_type}
         if request_type in ("Forward", "ForwardBackward", "Sample"):
             headers["Accept"] = PROTOBUF
-        body = {"request_id": request_id, "allow_metadata_only": False}
+        content, headers = as_json(
+            {"request_id": request_id, "allow_metadata_only": False}, headers
+        )
         last_progress = time.monotonic()
         attempt = 0
         iteration = 0
@@ -285,7 +290,7 @@ class Transport:
             iteration += 1
             try:
                 resp = await self.send(
-                    "POST", "/api/v1/retrieve_future", body, None, headers, POLL_TIMEOUT_S
+                    "POST", "/api/v1/retrieve_future", content, headers, POLL_TIMEOUT_S
                 )
             except TRANSPORT_ERRORS as exc:
                 if time.monotonic() - last_progress > self.retry.deadline_s:

@@ -270,7 +270,6 @@ def test_a_transport_never_closed_is_released_when_collected_and_at_exit(fake):
     import gc
     import subprocess
     import sys
-    import threading
 
     from treadle.client.transport import Transport
 
@@ -281,7 +280,6 @@ def test_a_transport_never_closed_is_released_when_collected_and_at_exit(fake):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()  # its loop stopped, its pool closed
-    assert threading.active_count() < 50
     # left open until the interpreter exits: closed then, with nothing reported
     script = (
         "from treadle.client.transport import Transport\n"

@@ -4,8 +4,9 @@ Every network call of the SDK runs on this loop, so a training loop's thread nev
 I/O until it asks for a result, and hundreds of requests can be in flight at once.
 
 The client is aiohttp: a round trip on loopback costs half of httpx's (0.46 vs 0.97 ms for
-a bare GET through the loop's thread), and a minimal call makes two (the submit, the poll). A reply is read whole and handed on as
-a `Reply` (status, headers, body), so no connection stays checked out by a caller.
+a bare GET through the loop's thread), and a minimal call makes two (the submit, the poll).
+A reply is read whole and handed on as a `Reply` (status, headers, body), so no connection
+stays checked out by a caller.
 
 Retries never execute anything twice: a submit is re-sent with the same body (the same
 `seq_id`), and the server recognises `(model_id, seq_id)` or `(sampling_session_id, seq_id)`
@@ -169,12 +170,10 @@ class Transport:
             )
 
         self._client: aiohttp.ClientSession = self.call(_make())
-        _loop_threads[self._loop] = self._thread
         # runs once: at close(), when collected unclosed, or at exit (_release_all)
-        self._release = weakref.finalize(self, _release, self._loop, self._client)
+        self._release = weakref.finalize(self, _release, self._loop, self._thread, self._client)
         self._release.atexit = False
-        _open.difference_update([f for f in _open if not f.alive])
-        _open.add(self._release)
+        _open.add(self)
 
     # ---- running work on the loop --------------------------------------------------------
 
@@ -334,13 +333,12 @@ class Transport:
 
         async def _shutdown() -> None:
             # Every other task on the loop is a request of ours: cancel them so that their
-            # futures end (cancelled) instead of hanging, then close the pool.
+            # futures end (cancelled) instead of hanging; _release then closes the pool.
             me = asyncio.current_task()
             others = [t for t in asyncio.all_tasks() if t is not me]
             for task in others:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
-            await self._client.close()
 
         if threading.current_thread() is not self._thread:
             try:
@@ -351,32 +349,28 @@ class Transport:
         self._release()
 
 
-def _release(loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession) -> None:
+def _release(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, session: aiohttp.ClientSession
+) -> None:
     """Close a transport's pool and stop its loop: from close(), or for a transport collected
     (or still open at exit) without one, so that neither its thread nor its sockets leak."""
     if loop.is_closed() or not loop.is_running():
         return
     closing = asyncio.run_coroutine_threadsafe(session.close(), loop)
-    if threading.current_thread() is not _loop_threads.get(loop):
+    if threading.current_thread() is not thread:  # on the loop itself it cannot be waited for
         with contextlib.suppress(Exception):
             closing.result(5)
     loop.call_soon_threadsafe(loop.stop)
 
 
-_open: set[weakref.finalize] = set()  # the transports' releases (they hold no transport)
+_open: weakref.WeakSet[Transport] = weakref.WeakSet()
 
 
 @atexit.register  # at import: it runs after the exit hooks of the modules that import this
 def _release_all() -> None:
     # detach, not call: weakref's own exit hook (registered later, so run earlier) has
     # switched every finalize off by now
-    for release in list(_open):
-        if (detached := release.detach()) is not None:
+    for transport in list(_open):
+        if (detached := transport._release.detach()) is not None:
             _, func, args, _ = detached
             func(*args)
-
-
-# each transport's loop → its thread (weakly, so as not to keep a collected one's loop)
-_loop_threads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, threading.Thread] = (
-    weakref.WeakKeyDictionary()
-)

@@ -234,9 +234,9 @@ def test_custom_loss_that_raises_still_fills_its_seq_id(fake):
 
 
 def test_session_heartbeats_until_the_last_training_client_stops(fake, monkeypatch):
-    from treadle.client import service
+    from treadle.client import session
 
-    monkeypatch.setattr(service, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(session, "HEARTBEAT_S", 0.05)
     svc = client(fake.url)
     tc1 = svc.create_lora_training_client("fake/model")
     tc2 = svc.create_lora_training_client("fake/model")

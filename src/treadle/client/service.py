@@ -11,7 +11,6 @@ training client of this ServiceClient is stopped.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import os
@@ -22,9 +21,10 @@ from typing import Any
 from urllib.parse import urlencode
 
 from treadle.client.checkpoints import CheckpointsClient
-from treadle.client.errors import APIError, GoneError, NotFoundError
+from treadle.client.errors import NotFoundError
 from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
+from treadle.client.session import ServerSession
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.training import TrainingClient
 from treadle.client.transport import SDK_VERSION, RetryPolicy, Transport
@@ -35,7 +35,6 @@ log = logging.getLogger("treadle.client")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 ENCRYPTION_HEADER = "X-Treadle-Encryption-Key"
-HEARTBEAT_S = 10.0
 
 _open_clients: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
 
@@ -88,9 +87,6 @@ class ServiceClient:
             or DEFAULT_BASE_URL
         )
         api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
-        self._user_metadata = user_metadata
-        self._project_id = project_id
-        self._display_name = display_name
         self.transport = Transport(base_url, api_key, retry=retry, timeout_s=timeout_s)
         try:
             self.client_config: dict[str, Any] = self.transport.call(
@@ -104,11 +100,8 @@ class ServiceClient:
         except BaseException:
             self.transport.close()
             raise
+        self._session = ServerSession(self.transport, user_metadata, project_id, display_name)
         self._lock = threading.Lock()
-        self._session_id: str | None = None
-        self._heartbeat = None
-        self._model_seq_id = 0
-        self._sampling_seq_id = 0
         self._training_clients: set[TrainingClient] = set()
         self._closed = False
         self.model_package_group = model_package_group
@@ -123,66 +116,22 @@ class ServiceClient:
     @property
     def session_id(self) -> str:
         """The server session, created on first use."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this ServiceClient is closed")
-            if self._session_id is None:
-                body = rq.CreateSessionRequest(
-                    user_metadata=self._user_metadata,
-                    sdk_version=SDK_VERSION,
-                    project_id=self._project_id,
-                    display_name=self._display_name,
-                )
-                reply = self.transport.call(self.transport.post("/api/v1/create_session", body))
-                self._session_id = str(reply["session_id"])
-                self._model_seq_id = 0
-                self._sampling_seq_id = 0
-                self._heartbeat = self.transport.submit(self._beat(self._session_id))
-            return self._session_id
-
-    async def _beat(self, session_id: str) -> None:
-        body = rq.SessionHeartbeatRequest(session_id=session_id)
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            try:
-                await self.transport.post("/api/v1/session_heartbeat", body, retry=False)
-            except GoneError:
-                log.info("session %s has finished; heartbeat stopped", session_id)
-                return
-            except APIError as exc:  # a missed beat is not fatal; the server allows several
-                log.warning("heartbeat of session %s failed: %s", session_id, exc)
+        return self._live().id
 
     def _next_model_seq_id(self) -> tuple[str, int]:
-        session_id = self.session_id
-        with self._lock:
-            n = self._model_seq_id
-            self._model_seq_id += 1
-        return session_id, n
+        return self._live().next_model_seq_id()
 
     def next_sampling_seq_id(self) -> tuple[str, int]:
         """create_sampling_session and snapshot saves share one counter per session."""
-        session_id = self.session_id
-        with self._lock:
-            n = self._sampling_seq_id
-            self._sampling_seq_id += 1
-        return session_id, n
+        return self._live().next_sampling_seq_id()
+
+    def _live(self) -> ServerSession:
+        if self._closed:
+            raise RuntimeError("this ServiceClient is closed")
+        return self._session
 
     def _finish_session(self, reason: str = "success") -> None:
-        with self._lock:
-            session_id, self._session_id = self._session_id, None
-            heartbeat, self._heartbeat = self._heartbeat, None
-        if heartbeat is not None:
-            heartbeat.cancel()
-        if session_id is None:
-            return
-        body = rq.SessionFinishRequest(reason=rq.FinishReason(type=reason))
-        path = f"/api/v1/sessions/{session_id}/finish"
-        try:
-            # No retries: a server that is gone must not hold up close() or interpreter exit;
-            # it ends the session itself once heartbeats stop.
-            self.transport.call(self.transport.post(path, body, retry=False, timeout=10))
-        except APIError as exc:
-            log.warning("finishing session %s failed: %r", session_id, exc)
+        self._session.finish(reason)
 
     def _release(self, client: TrainingClient) -> None:
         """Called by TrainingClient.stop(): the last one out finishes the session."""

@@ -50,10 +50,10 @@ from treadle.server.core.board import FutureBoard
 from treadle.server.core.dedup import FiledKeys
 from treadle.server.core.limits import Admission
 from treadle.server.core.metrics import Metrics
-from treadle.server.core.results import encode, error_json, error_of
+from treadle.server.core.results import encode, error_json, finished_of_row, typed_result
 from treadle.server.core.sequences import insert_records
 from treadle.server.runtime.engine_client import EngineClient
-from treadle.server.runtime.forward import Claims, ForwardEngine, sample_result
+from treadle.server.runtime.forward import Claims, ForwardEngine
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.messages import encode_payload
 from treadle.server.runtime.ops import (
@@ -304,14 +304,14 @@ class Futures:
             if again is not None and again["status"] != "pending":  # finished meanwhile
                 self.board.forget(request_id)
                 self.owners.pop(request_id, None)
-                return Polled(row["kind"], _finished_of_row(again))
+                return Polled(row["kind"], finished_of_row(again))
             return await self.poll(request_id)
         if row["status"] == "pending":
             # Pending futures stay in memory until their outcome is committed; one pending on
             # disk only was answered already, with the error that its result was not recorded.
             lost = ErrorInfo("TreadleError", f"request {request_id!r}: its result was not recorded")
             return Polled(row["kind"], Finished(request_id, "failed", error=error_json(lost)))
-        return Polled(row["kind"], _finished_of_row(row))
+        return Polled(row["kind"], finished_of_row(row))
 
     async def result(self, request_id: str) -> Result:
         """In-process callers: the typed result of a future this process filed, or its
@@ -385,30 +385,6 @@ def _relayed(_: Any, error: BaseException | None) -> None:
         log.warning("could not relay the tokens of a stream: %s", error)
 
 
-def typed_result(kind: OpKind, finished: Finished) -> Result:
-    """A stored result → what `Futures.result` returns (the OpenAI routes sample), or its
-    error raised as its own class."""
-    if finished.status == "failed":
-        raise error_of(finished.error or {}).to_exception()
-    if kind != OpKind.SAMPLE:
-        raise TreadleError(f"{kind} results are read over HTTP only")
-    return sample_result(finished.result or b"")
-
-
 def _clears_with_time(error: Exception) -> bool:
     """A rate limit clears by waiting: the SDK sends this very request (seq_id) again."""
     return isinstance(error, QuotaExceededError) and error.retry_after_s is not None
-
-
-def _finished_of_row(row: dict[str, Any]) -> Finished:
-    if row["status"] == "failed":
-        return Finished(row["request_id"], "failed", error=error_json(error_of(row["error"])))
-    return Finished(
-        row["request_id"],
-        "done",
-        result=row["result"],
-        content_type=row["content_type"],
-        prompt_tokens=row["prompt_tokens"] or 0,
-        sampled_tokens=row["sampled_tokens"] or 0,
-        train_tokens=row["train_tokens"] or 0,
-    )

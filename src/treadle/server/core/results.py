@@ -3,7 +3,8 @@
 Typed results become bytes here, once per result, on the journal thread (never on the
 engine thread or the event loop): ForwardBackwardOutput and SampleResponse as protobuf
 (what the Tinker SDK requires), everything else as JSON. In-process callers (the OpenAI
-routes) use the typed result and never see these bytes.
+routes) use the typed result and never see these bytes, except for a result this process
+no longer holds: a stored row becomes a Finished again, and a stored sample its typed result.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from treadle.engine.types import SampleResult, TrainResult
-from treadle.errors import ErrorInfo
-from treadle.server.runtime.ops import Outcome
+from treadle.errors import ErrorInfo, TreadleError
+from treadle.server.runtime.forward import sample_result
+from treadle.server.runtime.ops import OpKind, Outcome, Result
 from treadle.server.storage.queries import Finished
 from treadle.types import SampledSequence, SampleResponse, TensorData
 from treadle.wire import codec
@@ -87,3 +89,28 @@ def sample_response(result: SampleResult) -> SampleResponse:
         if alt is None
         else (TensorData.from_numpy(np.asarray(alt[0])), TensorData.from_numpy(alt[1])),
     )
+
+
+def finished_of_row(row: dict[str, Any]) -> Finished:
+    """A request row's columns → its Finished (a result this process no longer holds)."""
+    if row["status"] == "failed":
+        return Finished(row["request_id"], "failed", error=error_json(error_of(row["error"])))
+    return Finished(
+        row["request_id"],
+        "done",
+        result=row["result"],
+        content_type=row["content_type"],
+        prompt_tokens=row["prompt_tokens"] or 0,
+        sampled_tokens=row["sampled_tokens"] or 0,
+        train_tokens=row["train_tokens"] or 0,
+    )
+
+
+def typed_result(kind: OpKind, finished: Finished) -> Result:
+    """A stored result → what `Futures.result` returns (the OpenAI routes sample), or its
+    error raised as its own class."""
+    if finished.status == "failed":
+        raise error_of(finished.error or {}).to_exception()
+    if kind != OpKind.SAMPLE:
+        raise TreadleError(f"{kind} results are read over HTTP only")
+    return sample_result(finished.result or b"")

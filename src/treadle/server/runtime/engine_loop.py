@@ -16,10 +16,10 @@ Tokens of streamed sample ops go to `on_progress` after every step.
 If the loop itself dies (an error outside any one op), every queued op fails with
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
 
-Durability: every `snapshot_every_steps` optimizer steps (or `snapshot_every_s` seconds
-after a change) a model's state is written at an idle moment (treadle.server.runtime.
-executor.snapshot_state) and announced with the seq_id it covers; recovery loads the last
-one and replays the ops after it (ops marked `replay`, whose outcomes nobody hears again).
+Durability: when a model's snapshot is due (treadle.server.runtime.deferred), its state is
+written at an idle moment (executor.snapshot_state) and announced with the seq_id it
+covers; recovery loads the last one and replays the ops after it (ops marked `replay`,
+whose outcomes nobody hears again).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from treadle.server.runtime.deferred import Deferred, DeferredWrites, run_deferred
 from treadle.server.runtime.engine_client import (
     EngineFacts,
     NamedControls,
@@ -42,7 +43,7 @@ from treadle.server.runtime.engine_client import (
     OnSnapshot,
     SnapshotPolicy,
 )
-from treadle.server.runtime.executor import Deferred, OpExecutor
+from treadle.server.runtime.executor import OpExecutor
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.server.runtime.scheduler import (
@@ -61,8 +62,6 @@ from treadle.server.runtime.scheduler import (
 
 log = logging.getLogger("treadle.engine_loop")
 
-# A deferred durable write waits at most this long for an idle moment before it runs anyway.
-DEFERRED_MAX_WAIT_S = 1.0
 # A slice of decode steps ends after this long even with nothing else to do, so that the
 # round's housekeeping (parked deadlines, deferred writes) runs.
 DECODE_SLICE_S = 0.5
@@ -90,17 +89,16 @@ class EngineLoop(NamedControls):
         self.executor = executor
         self._on_outcomes = on_outcomes
         self._on_snapshot = on_snapshot
-        self.policy = snapshots or SnapshotPolicy()
         # request ids whose outcomes nobody hears again (a worker reports them all: the API
         # side of it keeps the books)
         self._replay: set[str] = set()
         self.report_replays = report_replays
-        self._changed: dict[str, tuple[int, float]] = {}  # model → (state ops, first at)
         self.max_sample_batch = max_sample_batch
         self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
         self.samples: list[Op] = []
-        self.deferred: deque[Deferred] = deque()
+        snapshots_on = on_snapshot is not None and executor.state_root is not None
+        self.writes = DeferredWrites(snapshots or SnapshotPolicy(), snapshots_on)
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -213,7 +211,7 @@ class EngineLoop(NamedControls):
     def busy(self) -> bool:
         """Whether anything is queued or deferred (a draining worker waits for False)."""
         with self._cond:
-            busy = self.samples or self.deferred or self._calls or self.executor.sampling
+            busy = self.samples or self.writes or self._calls or self.executor.sampling
             return bool(busy) or any(q.pending for q in self.queues.values())
 
     def _reset(self) -> None:
@@ -221,9 +219,8 @@ class EngineLoop(NamedControls):
         with self._cond:
             models = list(self.queues)
             self.queues, self.samples = {}, []
-            self.deferred.clear()
+            self.writes.clear()
             self._replay.clear()
-            self._changed.clear()
         self.executor.abort_samples()
         for model_id in models:
             self.executor.drop_model(model_id)
@@ -231,10 +228,9 @@ class EngineLoop(NamedControls):
 
     def _snapshot_all(self) -> None:
         """Every changed model's state now (at shutdown), after the writes already deferred."""
-        for job in list(self.deferred):
-            self.deferred.remove(job)
-            self._finish([self._run_deferred(job)])
-        for model_id in list(self._changed):
+        for job in self.writes.take():
+            self._finish([run_deferred(job)])
+        for model_id in self.writes.changed():
             self._snapshot(model_id)
 
     def _unload(self, model_id: str, reason: str) -> None:
@@ -243,13 +239,12 @@ class EngineLoop(NamedControls):
             queue = self.queues.pop(model_id, None)
         # Durable writes of this model were acknowledged as accepted: finish them first (a
         # state snapshot, op None, of a model being freed is dropped: nothing replays it).
-        for job in [j for j in self.deferred if j.model_id == model_id]:
-            self.deferred.remove(job)
+        for job in self.writes.take(model_id):
             if job.op is not None:
-                self._finish([self._run_deferred(job)])
+                self._finish([run_deferred(job)])
         dropped = list(queue.pending.values()) if queue else []
         self._finish([Outcome.failed(op.request_id, NotFoundError(reason)) for op in dropped])
-        self._changed.pop(model_id, None)
+        self.writes.snapshotted(model_id)
         self.executor.drop_model(model_id)
 
     # ---- the engine thread ----
@@ -330,11 +325,11 @@ class EngineLoop(NamedControls):
         with self._cond:
             self._dead = dead
             ops = [*self.samples, *(op for q in self.queues.values() for op in q.pending.values())]
-            ops += [job.op for job in self.deferred if job.op is not None]
+            ops += [job.op for job in self.writes.take() if job.op is not None]
             ops += self.executor.abort_samples()
             calls = list(self._calls)
             self.samples, self.queues, self._calls = [], {}, deque()
-            self.deferred.clear()
+            self.writes.clear()
         for _, fut in calls:
             fut.set_exception(dead)
         self._finish([Outcome.failed(op.request_id, dead) for op in ops])
@@ -346,7 +341,7 @@ class EngineLoop(NamedControls):
         return None if first is None else max(0.0, first - time.monotonic())
 
     def _has_work_locked(self) -> bool:
-        if self._calls or self.deferred or self.executor.sampling:
+        if self._calls or self.writes or self.executor.sampling:
             return True
         if self._runnable_samples_locked():
             return True
@@ -370,7 +365,7 @@ class EngineLoop(NamedControls):
         ready = []
         for outcome in outcomes:
             if isinstance(outcome, Deferred):
-                self.deferred.append(outcome)
+                self.writes.add(outcome)
             else:
                 ready.append(outcome.timed(started))
         with self._cond:
@@ -381,24 +376,10 @@ class EngineLoop(NamedControls):
                     queue.next_seq = op.seq_id + 1
         for op in step.ops:
             if op.kind in STATE_KINDS:
-                self._note_change(op)
+                self.writes.note_change(op, self._snapshot)
         self._finish(ready)
 
     # ---- state snapshots ----
-    def _note_change(self, op: Op) -> None:
-        """Count a model's state changes; when a snapshot is due, defer one."""
-        if self._on_snapshot is None or self.executor.state_root is None:
-            return
-        count, since = self._changed.get(op.model_id, (0, time.monotonic()))
-        count += op.kind == OpKind.OPTIM_STEP or op.kind == OpKind.LOAD
-        self._changed[op.model_id] = (count, since)
-        due = count >= self.policy.every_steps or time.monotonic() - since > self.policy.every_s
-        # a load from a temporary copy cannot be replayed: its state is written at once
-        if due or (op.kind == OpKind.LOAD and op.payload.cleanup):
-            if not any(j.op is None and j.model_id == op.model_id for j in self.deferred):
-                model = op.model_id
-                self.deferred.append(Deferred(None, lambda: self._snapshot(model), model_id=model))
-
     def _snapshot(self, model_id: str) -> None:
         """Engine thread: write the model's state as it is now, with the seq_id it covers."""
         with self._cond:
@@ -406,28 +387,13 @@ class EngineLoop(NamedControls):
             seq_id = queue.next_seq - 1 if queue is not None else -1
         if seq_id < 0:
             return
-        self._changed.pop(model_id, None)
+        self.writes.snapshotted(model_id)
         snap: StateSnapshot = self.executor.snapshot_state(model_id, seq_id)
         self._on_snapshot(snap)
 
     def _maybe_run_deferred(self, idle: bool) -> None:
-        now = time.monotonic()
-        while self.deferred and (idle or now - self.deferred[0].created_at > DEFERRED_MAX_WAIT_S):
-            self._finish([self._run_deferred(self.deferred.popleft())])  # type: ignore[list-item]
-            if not idle:
-                break
-
-    def _run_deferred(self, job: Deferred) -> Outcome | None:
-        started = time.time()
-        try:
-            outcome = job.run()
-            return outcome.timed(started) if outcome is not None else None
-        except Exception as e:
-            if job.op is None:
-                log.exception("background write for %s failed", job.model_id)
-                return None
-            log.exception("deferred write for %s failed", job.op.request_id)
-            return Outcome.failed(job.op.request_id, e).timed(started)
+        for job in self.writes.due(idle):
+            self._finish([run_deferred(job)])
 
     def _finish(self, outcomes: list[Outcome | None]) -> None:
         if self._replay:

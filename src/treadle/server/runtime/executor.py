@@ -28,6 +28,7 @@ from typing import Any
 from treadle.engine.types import TrainBatch
 from treadle.errors import NotFoundError
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
+from treadle.server.runtime.deferred import Deferred
 from treadle.server.runtime.live_weights import LiveWeights
 from treadle.server.runtime.ops import (
     CreateAdapter,
@@ -51,17 +52,6 @@ from treadle.server.runtime.ops import (
 from treadle.server.runtime.outcomes import failure, sample_outcome
 
 log = logging.getLogger("treadle.executor")
-
-
-@dataclass
-class Deferred:
-    """A durable write to do on the engine thread at an idle moment, then finish the op (or,
-    for a background write such as a state snapshot, `op` None, nothing to finish)."""
-
-    op: Op | None
-    run: Callable[[], Outcome | None]
-    created_at: float = field(default_factory=time.monotonic)
-    model_id: str | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 
@@ -40,8 +41,8 @@ class ServerSession:
         self._lock = threading.Lock()
         self._id: str | None = None
         self._heartbeat: concurrent.futures.Future | None = None
-        self._model_seq_id = 0
-        self._sampling_seq_id = 0
+        self._model_seqs = itertools.count()
+        self._sampling_seqs = itertools.count()
 
     @property
     def id(self) -> str:
@@ -50,8 +51,7 @@ class ServerSession:
             if self._id is None:
                 post = self.transport.post("/api/v1/create_session", self._request)
                 self._id = str(self.transport.call(post)["session_id"])
-                self._model_seq_id = 0
-                self._sampling_seq_id = 0
+                self._model_seqs, self._sampling_seqs = itertools.count(), itertools.count()
                 self._heartbeat = self.transport.submit(self._beat(self._id))
             return self._id
 
@@ -59,17 +59,13 @@ class ServerSession:
         """create_model and load_weights number the session's models with one counter."""
         session_id = self.id
         with self._lock:
-            n = self._model_seq_id
-            self._model_seq_id += 1
-        return session_id, n
+            return session_id, next(self._model_seqs)
 
     def next_sampling_seq_id(self) -> tuple[str, int]:
         """create_sampling_session and snapshot saves share one counter per session."""
         session_id = self.id
         with self._lock:
-            n = self._sampling_seq_id
-            self._sampling_seq_id += 1
-        return session_id, n
+            return session_id, next(self._sampling_seqs)
 
     def finish(self, reason: str = "success") -> None:
         """Stop the heartbeat and finish the session on the server (if one is open)."""

@@ -1,10 +1,17 @@
-"""One ZMQ socket with an IO thread of its own, that any thread may send on.
+"""One ZMQ socket with an IO thread of its own, that any thread may send on directly.
 
-ZMQ sockets belong to one thread: this one is read and written only by its IO thread,
-which sleeps in `zmq.Poller` until a message arrives (from the peer, or from another
-thread of this process through an inproc pipe: each sending thread gets its own PUSH end)
-or until the next tick. Ticks (every `tick_s`) carry heartbeats and liveness checks only;
-no work waits for them.
+A ZMQ socket must never be used by two threads at once. Here every use of it (a send from
+any thread, the IO thread's receives) holds one lock, so the sending thread itself puts its
+frames on the wire: an op leaves the journal thread, an outcome the engine thread, with no
+hand-over to another thread (each such hop cost a wake-up and a wait for the interpreter
+lock, a few tenths of a millisecond on the round trip of every call).
+
+The IO thread never blocks inside libzmq: it waits in `selectors` on the socket's ZMQ_FD
+(and a wake-up pipe), then receives under the lock until the socket is empty. ZMQ_FD is
+edge-triggered: any operation on the socket may consume its signal. So after every send,
+still under the lock, the sender checks ZMQ_EVENTS and wakes the IO thread if input is
+waiting; a message never sits unread. Ticks (every `tick_s`) carry heartbeats and liveness
+checks only; no work waits for them.
 
     channel = Channel(zmq.ROUTER, bind="tcp://127.0.0.1:5555", on_message=handle, on_tick=beat)
     channel.start(); channel.send([identity, b"op", body]); channel.stop()
@@ -13,8 +20,10 @@ no work waits for them.
 from __future__ import annotations
 
 import logging
+import os
+import selectors
 import threading
-import uuid
+import time
 from collections.abc import Callable
 
 import zmq
@@ -49,16 +58,15 @@ class Channel:
         else:
             self.socket.connect(connect)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pipe = f"inproc://channel-{uuid.uuid4().hex}"
-        self._inbox = self.ctx.socket(zmq.PULL)
-        self._inbox.bind(self._pipe)
-        self._local = threading.local()
-        self._senders: list[zmq.Socket] = []
-        self._senders_lock = threading.Lock()
+        self._lock = threading.Lock()  # held for every use of the socket
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._on_message = on_message
         self._on_tick = on_tick
-        self._tick_ms = int(tick_s * 1000)
+        self.tick_s = tick_s
         self._stopping = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="channel", daemon=True)
 
     def start(self) -> None:
@@ -66,53 +74,68 @@ class Channel:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
-        self.send([b"__stop__"])
+        self._wake()
         self._thread.join(timeout_s)
-        with self._senders_lock:
-            for s in self._senders:
-                s.close(0)
+        with self._lock:
+            self._closed = True
+            self.socket.close(0)
         self.ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def send(self, frames: list[bytes]) -> None:
-        """Any thread: queue frames for the peer (in order, per sending thread)."""
-        sender = getattr(self._local, "push", None)
-        if sender is None:
-            sender = self.ctx.socket(zmq.PUSH)
-            sender.setsockopt(zmq.LINGER, 0)
-            sender.connect(self._pipe)
-            self._local.push = sender
-            with self._senders_lock:
-                self._senders.append(sender)
-        sender.send_multipart(frames, copy=False)
+        """Any thread: put frames on the socket now (in order, per sending thread)."""
+        with self._lock:
+            if self._closed:
+                return
+            self.socket.send_multipart(frames, copy=False)
+            # the send may have taken the FD's signal of input that arrived meanwhile
+            waiting = self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if waiting:
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (the IO thread has wake-ups pending) or closed
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self._inbox, zmq.POLLIN)
+        selector = selectors.DefaultSelector()
+        selector.register(self.socket.getsockopt(zmq.FD), selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        next_tick = time.monotonic() + self.tick_s
         try:
             while not self._stopping.is_set():
-                events = dict(poller.poll(self._tick_ms))
-                if self._inbox in events:
-                    while True:
-                        try:
-                            frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if frames[0].bytes == b"__stop__":
-                            return
-                        self.socket.send_multipart(frames, copy=False)
-                if self.socket in events:
-                    while True:
-                        try:
-                            frames = self.socket.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._dispatch(frames)
-                if self._on_tick is not None:
-                    self._on_tick()
+                frames = self._drain()
+                for message in frames:
+                    self._dispatch(message)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + self.tick_s
+                    if self._on_tick is not None:
+                        self._on_tick()
+                if frames:
+                    continue  # more may have come while these were handled
+                selector.select(max(0.0, next_tick - time.monotonic()))
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
         finally:
-            self._inbox.close(0)
-            self.socket.close(0)
+            selector.close()
+
+    def _drain(self) -> list[list[bytes]]:
+        """Every message waiting on the socket (receiving until it is empty re-arms ZMQ_FD)."""
+        messages: list[list[bytes]] = []
+        with self._lock:
+            while not self._closed:
+                try:
+                    messages.append(self.socket.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return messages
 
     def _dispatch(self, frames: list[bytes]) -> None:
         try:

@@ -73,15 +73,17 @@ class Channel:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self._wake()
         self._thread.join(timeout_s)
-        with self._lock:
+        with self._lock:  # no sender is inside send() now, and none will write the pipe
             self._closed = True
             self.socket.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def send(self, frames: list[bytes]) -> None:
         """Any thread: put frames on the socket now (in order, per sending thread)."""
@@ -90,11 +92,11 @@ class Channel:
                 return
             self.socket.send_multipart(frames, copy=False)
             # the send may have taken the FD's signal of input that arrived meanwhile
-            waiting = self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        if waiting:
-            self._wake()
+            if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._wake()
 
     def _wake(self) -> None:
+        # never after stop() closed the pipe: its descriptors may belong to another file
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -123,6 +125,8 @@ class Channel:
                         pass
                 except BlockingIOError:
                     pass
+                except OSError:  # closed by a stop() that gave up waiting for this thread
+                    return
         finally:
             selector.close()
 

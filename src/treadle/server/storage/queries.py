@@ -35,6 +35,9 @@ OUTCOME_COLUMNS = (
     "sampled_tokens",
     "train_tokens",
 )
+# Built once: the statement of every submit (building it anew cost 10-25 µs of a 40-55 µs
+# execute, measured on a warm core)
+_INSERT_REQUEST = insert(REQUESTS)
 _FINISH = (
     update(REQUESTS)
     .where(REQUESTS.c.request_id == bindparam("rid"))
@@ -85,7 +88,7 @@ def request_row(conn: Connection, request_id: str) -> dict[str, Any] | None:
 
 def insert_request(conn: Connection, values: dict[str, Any]) -> str:
     """File a future; → its request_id."""
-    insert_row(conn, RequestRow, values)
+    conn.execute(_INSERT_REQUEST, values)
     return values["request_id"]
 
 

@@ -104,7 +104,9 @@ class Channel:
 
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
-        selector.register(self.socket.getsockopt(zmq.FD), selectors.EVENT_READ)
+        with self._lock:  # a sender may be on the socket already
+            fd = self.socket.getsockopt(zmq.FD)
+        selector.register(fd, selectors.EVENT_READ)
         selector.register(self._wake_r, selectors.EVENT_READ)
         next_tick = time.monotonic() + self.tick_s
         try:

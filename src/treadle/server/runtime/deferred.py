@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from treadle.server.runtime.engine_client import SnapshotPolicy
 from treadle.server.runtime.ops import Op, OpKind, Outcome
 
-log = logging.getLogger("treadle.engine_loop")
+log = logging.getLogger("treadle.engine_loop")  # the engine loop runs these jobs
 
 # A deferred durable write waits at most this long for an idle moment before it runs anyway.
 DEFERRED_MAX_WAIT_S = 1.0

@@ -260,3 +260,36 @@ def test_optim_step_errors(engine, new_id):
         engine.optim_step(snap, AdamSpec())
     engine.drop_snapshot(snap)
     engine.drop_adapter(aid)
+
+
+def test_small_calls_run_on_one_thread_and_the_setting_comes_back(engine, sft_datum, new_id):
+    """A forward of a few tokens, a prefill of a short prompt and a decode step of a few rows
+    run on one intra-op thread (treadle.engine.threads); larger ones on all of them."""
+    from treadle.engine.types import SampleRequest, SampleSpec
+
+    aid = new_id()
+    engine.create_adapter(aid, LoraSpec(rank=4))
+    seen: list[tuple[int, int]] = []  # (tokens fed, threads) per model call
+    hook = engine.model.register_forward_hook(
+        lambda m, args, kw, out: seen.append((kw["input_ids"].numel(), torch.get_num_threads())),
+        with_kwargs=True,
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for T in (1, 4, 16):
+            engine.forward_backward([TrainBatch(aid, [sft_datum(T, seed=T)])], forward_only=True)
+        engine.forward_backward([TrainBatch(aid, [sft_datum(2, seed=0)])])
+        assert torch.get_num_threads() == 2  # back after each call
+        assert seen == [(1, 1), (4, 1), (16, 2), (2, 1)]
+        seen.clear()
+        spec = SampleSpec(max_tokens=3, seed=0, stop_at_eos=False)
+        engine.sample([SampleRequest([1, 2], num_samples=2, params=spec, adapter=aid)])
+        engine.sample([SampleRequest([1, 2, 3, 4, 5, 6], num_samples=8, params=spec)])
+        assert torch.get_num_threads() == 2
+        # prefill of the 2-token prompt, 2 decode steps of 2 rows; then 6 tokens, 8 rows
+        assert seen == [(2, 1), (2, 1), (2, 1), (6, 2), (8, 2), (8, 2)]
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+        engine.drop_adapter(aid)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from treadle.engine import checkpoints, optim, train
 from treadle.engine.lora import AdapterBank
 from treadle.engine.models import load_base_model
+from treadle.engine.threads import threads_for
 from treadle.engine.types import (
     AdamSpec,
     LoraSpec,
@@ -90,14 +91,15 @@ class Engine:
         Gradients accumulate into each adapter until its optim_step.
         Raises InvalidRequestError naming the key and expected shape for bad inputs.
         """
-        return train.forward_backward(
-            self.model,
-            self.bank,
-            batches,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            forward_only=forward_only,
-        )
+        with threads_for(sum(len(d.tokens) for b in batches for d in b.data)):
+            return train.forward_backward(
+                self.model,
+                self.bank,
+                batches,
+                vocab_size=self.vocab_size,
+                max_seq_len=self.max_seq_len,
+                forward_only=forward_only,
+            )
 
     def optim_step(self, adapter_id: str, spec: AdamSpec) -> dict[str, float]:
         """AdamW (torch's) on the accumulated gradients; returns grad_norm:mean, learning_rate:mean."""

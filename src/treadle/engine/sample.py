@@ -49,6 +49,7 @@ from treadle.engine.decode import Cohort, cache_arg, join, joinable
 from treadle.engine.sample_cohort import _cohort
 from treadle.engine.sample_plan import _Plan, _plan
 from treadle.engine.sample_utils import preallocate, validate_request
+from treadle.engine.threads import CallThreads, threads_for
 from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
 
 # Scoring prefills are split so that their full (rows, T, V) logits stay under this many
@@ -128,7 +129,7 @@ class DecodeBatch:
         stream = list(stream) if stream is not None else [False] * len(requests)
         handles = [next(self._handles) for _ in requests]
         results = [SampleResult(sequences=[]) for _ in requests]
-        with torch.inference_mode():
+        with torch.inference_mode(), threads_for(sum(len(r.prompt) for r in requests)):
             plan = _plan(requests)
             _score(engine, plan, requests, results)
             cohort = _prefill_and_expand(engine, plan, requests, results, handles, stream)
@@ -170,7 +171,7 @@ class DecodeBatch:
         after every step. A step that fails leaves the batch unusable: drop it.
         """
         bank = self.engine.bank
-        with torch.inference_mode(), contextlib.ExitStack() as routed:
+        with torch.inference_mode(), contextlib.ExitStack() as routed, CallThreads() as threads:
             route_for: Cohort | None = None  # the cohort whose keys are routed now
             for _ in range(max_steps):
                 if self.cohort is None:
@@ -178,6 +179,7 @@ class DecodeBatch:
                         break
                     self.cohort = self.waiting.popleft()
                 c = self.cohort
+                threads.fit(len(c))  # a step feeds one token per row
                 tok, finished, streamed = c.pick()
                 if streamed and on_tokens is not None:
                     on_tokens([(*c.owner[b], pos, t, lp) for b, pos, t, lp in streamed])

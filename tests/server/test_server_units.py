@@ -73,7 +73,7 @@ def test_board_hands_the_outcome_to_a_waiting_poll_from_another_thread():
 
     async def scenario() -> tuple[Outcome | None, float]:
         board = FutureBoard(asyncio.get_running_loop())
-        board.expect("r1", OpKind.FORWARD)
+        board.expect("r1", OpKind.FORWARD, "t")
 
         def engine_thread():
             time.sleep(0.2)
@@ -91,7 +91,7 @@ def test_board_hands_the_outcome_to_a_waiting_poll_from_another_thread():
 def test_board_times_out_when_nothing_comes():
     async def scenario() -> Outcome | None:
         board = FutureBoard(asyncio.get_running_loop())
-        board.expect("r2", OpKind.FORWARD)
+        board.expect("r2", OpKind.FORWARD, "t")
         return await board.wait(board.get("r2"), timeout=0.1)
 
     assert asyncio.run(scenario()) is None
@@ -101,7 +101,7 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
     async def scenario() -> None:
         board = FutureBoard(asyncio.get_running_loop(), max_kept=2)
         for rid in ("a", "b", "c", "d"):
-            board.expect(rid, OpKind.SAMPLE)
+            board.expect(rid, OpKind.SAMPLE, "t")
         board._resolve([Outcome(r, body=b"1") for r in "abc"])
         assert board.get("a") is None  # evicted: the database serves it
         assert board.get("b").outcome is not None and board.get("d").outcome is None
@@ -109,6 +109,30 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
         assert board.get("b") is None
         board.delivered("d")  # still pending: stays
         assert board.get("d") is not None
+
+    asyncio.run(scenario())
+
+
+def test_board_tells_a_forward_before_its_commit_and_keeps_it_until_then():
+    async def scenario() -> None:
+        board = FutureBoard(asyncio.get_running_loop())
+        kinds = {"f": OpKind.FORWARD, "o": OpKind.OPTIM_STEP, "s": OpKind.SAMPLE}
+        for rid, kind in {**kinds, "e": OpKind.FORWARD}.items():
+            board.expect(rid, kind, "t")
+        told = [Outcome(r, body=b"1") for r in "fos"]
+        board.tell([*told, Outcome.failed("e", RuntimeError("boom"))])
+        await asyncio.sleep(0.01)
+        assert board.get("f").outcome is told[0] and board.get("o").outcome is told[1]
+        assert board.get("s").outcome is None  # a sample waits for its commit
+        assert board.get("e").outcome is None  # so does an error
+        board.delivered("f")  # out before its commit: a repeated poll is served from here
+        assert board.get("f") is not None
+        board._resolve(told)
+        assert board.get("f") is None  # delivered and committed: the row serves it
+        assert board.get("o").outcome is told[1]  # committed, not delivered yet: kept
+        assert board.get("s").outcome is told[2]
+        board.delivered("o")
+        assert board.get("o") is None
 
     asyncio.run(scenario())
 

@@ -8,8 +8,10 @@ One database write per request, one per result, both through the journal:
   (treadle.server.core.dedup);
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
   the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
-  only then wakes their polls (treadle.server.core.board): a client is told of a result
-  only once it is on disk; the console's figures and timeline are recorded after that
+  then wakes their polls (treadle.server.core.board): a client is told of a result once it
+  is on disk, or (a forward, forward_backward or optim_step that succeeded) once its commit
+  is queued, since recovery would compute it again from the op log (board.TOLD_EARLY); the
+  console's figures and timeline are recorded after the commit
   (treadle.server.core.metrics, which writes them a moment later);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class), and
@@ -32,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,9 +81,6 @@ from treadle.server.tenancy.spend import current_key_id
 
 log = logging.getLogger("treadle.futures")
 
-# Owners of futures remembered in memory; an older one is read from its request row.
-MAX_REQUEST_OWNERS = 100_000
-
 
 @dataclass
 class Polled:
@@ -113,7 +111,6 @@ class Futures:
         self.long_poll_s = long_poll_s
         self.metrics = metrics
         self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
-        self.owners: OrderedDict[str, str] = OrderedDict()  # request_id → tenant_id
         # streamed samples this engine host runs for another process: their tokens go to it
         self.relayed: set[str] = set()
 
@@ -235,17 +232,17 @@ class Futures:
 
     def expect(self, request_id: str, kind: OpKind, tenant_id: str, stream: bool = False) -> None:
         """Register a future of this process before its op can run."""
-        self.board.expect(request_id, kind, stream)
-        self.owners[request_id] = tenant_id
-        while len(self.owners) > MAX_REQUEST_OWNERS:
-            self.owners.popitem(last=False)
+        self.board.expect(request_id, kind, tenant_id, stream)
 
     # ---- finishing (any thread; never blocks) ----
     def finish(self, outcomes: list[Outcome]) -> None:
-        """Commit the outcomes, then hand them to their polls."""
+        """Commit the outcomes, then hand them to their polls (those the board may tell
+        before their commit, at once)."""
+        finished = [encode(o) for o in outcomes]  # here, off the event loop, once for both
+        self.board.tell(outcomes)
 
         def write(conn: Any) -> None:
-            finish_requests(conn, [encode(o) for o in outcomes])
+            finish_requests(conn, finished)
             records = [r for o in outcomes if o.succeeded for r in o.records]
             if records:  # record_stability_info: kept with the result that names them
                 insert_records(conn, records)
@@ -283,27 +280,22 @@ class Futures:
         Another tenant's future is looked up in the database like an unknown one (same
         cost, same 404)."""
         filed = self.board.get(request_id)
-        owner = self.owners.get(request_id)
-        if filed is not None and owner is not None and owns(owner):
+        if filed is not None and owns(filed.tenant_id):
             outcome = await self.board.wait(filed, self.long_poll_s)
             if outcome is None:
                 return Polled(filed.kind, None)
-            self._delivered(request_id)
+            self.board.delivered(request_id)
             return Polled(filed.kind, outcome if isinstance(outcome, Finished) else encode(outcome))
         # Not in memory: a future of a previous run, or one delivered already.
         row = await self.journal.run(functools.partial(request_row, request_id=request_id))
         if row is None or not owns(row["tenant_id"]):
             raise NotFoundError(f"request_id {request_id!r} not found")
-        if filed is not None:  # ours, in memory, but its owner was forgotten: now checked
-            self.owners[request_id] = row["tenant_id"]
-            return await self.poll(request_id)
         if row["status"] == "pending" and self.notify is not None:
             # filed by another API process: wait here for the notification of its result
             self.expect(request_id, OpKind(row["kind"]), row["tenant_id"])
             again = await self.journal.run(functools.partial(request_row, request_id=request_id))
             if again is not None and again["status"] != "pending":  # finished meanwhile
                 self.board.forget(request_id)
-                self.owners.pop(request_id, None)
                 return Polled(row["kind"], finished_of_row(again))
             return await self.poll(request_id)
         if row["status"] == "pending":
@@ -320,7 +312,7 @@ class Futures:
         if filed is None:
             raise TreadleError(f"request {request_id!r} is not a future of this process")
         outcome = await self.board.wait(filed, None)
-        self._delivered(request_id)
+        self.board.delivered(request_id)
         if isinstance(outcome, Finished):  # the engine host ran it: its stored form
             return typed_result(filed.kind, outcome)
         if outcome.error is not None:
@@ -355,10 +347,6 @@ class Futures:
             log.exception("reading %d results", len(request_ids))
             return
         self.board.resolve(list(found.values()))
-
-    def _delivered(self, request_id: str) -> None:
-        self.board.delivered(request_id)
-        self.owners.pop(request_id, None)
 
     # ---- dedup ----
     def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:

@@ -127,12 +127,10 @@ async def _finish(
     transport: Transport, job: Job, subs: list[Submission], request_ids: list[str]
 ) -> None:
     try:
-        raw = await asyncio.gather(
-            *(
-                transport.wait_result(rid, s.request_type)
-                for rid, s in zip(request_ids, subs, strict=True)
-            )
-        )
+        pairs = zip(request_ids, subs, strict=True)
+        waits = [transport.wait_result(rid, s.request_type) for rid, s in pairs]
+        # one op, one poll: awaited here, without gather's task around it
+        raw = [await waits[0]] if len(waits) == 1 else await asyncio.gather(*waits)
         result = job.finish(list(raw))
     except BaseException as exc:  # noqa: BLE001
         _fail(job.future, exc)

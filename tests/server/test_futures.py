@@ -83,57 +83,27 @@ def test_resubmissions_are_recognised_after_memory_lets_their_keys_go(tmp_path):
     run(tmp_path, scenario)
 
 
-def hold_journal(futures: Futures) -> threading.Event:
-    """Hold the journal's commits (a write that waits) until the returned event is set."""
-    release = threading.Event()
-    futures.journal.submit(lambda conn: release.wait(10), lambda *_: None)
-    return release
-
-
 def test_a_result_reaches_its_poll_from_memory_and_stays_on_disk(tmp_path):
-    """An optim_step's result is told before its commit (TOLD_EARLY): a repeated poll is
-    served from memory until the row is written, then from the row."""
-
     async def scenario(futures: Futures, engine: RecordingEngine) -> None:
         kw = {"tenant": DEV_TENANT, "session_id": "s", "model_id": "s:train:0", "seq_id": 1}
         rid = await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, **kw)
         poll = asyncio.create_task(futures.poll(rid))
         await asyncio.sleep(0.05)
-        assert not poll.done()  # held until the result is in
-        release = hold_journal(futures)
+        assert not poll.done()  # held until the result is written
+        release = threading.Event()  # the journal's commits wait for it
+        futures.journal.submit(lambda conn: release.wait(10), lambda *_: None)
         futures.finish([Outcome.ok(rid, OptimResult({"grad_norm:mean": 0.5}))])
-        polled = await asyncio.wait_for(poll, 10)  # while the commit is still held
-        body = b'{"metrics": {"grad_norm:mean": 0.5}}'
-        assert polled.finished.result == body and polled.finished.content_type == "application/json"
-        with futures.journal.engine.connect() as conn:
-            assert request_row(conn, rid)["status"] == "pending"  # not committed yet
-        assert (await futures.poll(rid)).finished.result == body  # again: from memory
-        release.set()
-        row = await futures.journal.run(lambda conn: request_row(conn, rid))
-        assert row["status"] == "done" and row["result"] == body
-        assert futures.board.get(rid) is None  # delivered and committed: memory let it go
-        again = await futures.poll(rid)  # now served from the database
-        assert again.finished.result == body and again.kind == "optim_step"
-
-    run(tmp_path, scenario)
-
-
-def test_a_sample_is_told_only_once_its_result_is_on_disk(tmp_path):
-    """A sample drawn again after a crash would differ from the one a client saw: its poll
-    waits for the commit."""
-
-    async def scenario(futures: Futures, engine: RecordingEngine) -> None:
-        kw = {"tenant": DEV_TENANT, "session_id": "s", "sampling_session_id": "smp"}
-        rid = await futures.file(engine, OpKind.SAMPLE, SAMPLE, **kw)
-        poll = asyncio.create_task(futures.poll(rid))
-        release = hold_journal(futures)
-        futures.finish([Outcome.ok(rid, SampleResult([SampledSeq([3], [-0.5], "length")]))])
         await asyncio.sleep(0.3)
-        assert not poll.done()  # the commit is held, so is the answer
+        assert not poll.done()  # a client hears of a result only once it is on disk
         release.set()
         polled = await asyncio.wait_for(poll, 10)
+        body = b'{"metrics": {"grad_norm:mean": 0.5}}'
+        assert polled.finished.result == body and polled.finished.content_type == "application/json"
+        assert futures.board.get(rid) is None  # delivered: memory let it go
         row = await futures.journal.run(lambda conn: request_row(conn, rid))
-        assert row["status"] == "done" and row["result"] == polled.finished.result
+        assert row["status"] == "done" and row["result"] == body
+        again = await futures.poll(rid)  # now served from the database
+        assert again.finished.result == body and again.kind == "optim_step"
 
     run(tmp_path, scenario)
 

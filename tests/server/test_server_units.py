@@ -113,30 +113,6 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
     asyncio.run(scenario())
 
 
-def test_board_tells_a_forward_before_its_commit_and_keeps_it_until_then():
-    async def scenario() -> None:
-        board = FutureBoard(asyncio.get_running_loop())
-        kinds = {"f": OpKind.FORWARD, "o": OpKind.OPTIM_STEP, "s": OpKind.SAMPLE}
-        for rid, kind in {**kinds, "e": OpKind.FORWARD}.items():
-            board.expect(rid, kind, "t")
-        told = [Outcome(r, body=b"1") for r in "fos"]
-        board.tell([*told, Outcome.failed("e", RuntimeError("boom"))])
-        await asyncio.sleep(0.01)
-        assert board.get("f").outcome is told[0] and board.get("o").outcome is told[1]
-        assert board.get("s").outcome is None  # a sample waits for its commit
-        assert board.get("e").outcome is None  # so does an error
-        board.delivered("f")  # out before its commit: a repeated poll is served from here
-        assert board.get("f") is not None
-        board._resolve(told)
-        assert board.get("f") is None  # delivered and committed: the row serves it
-        assert board.get("o").outcome is told[1]  # committed, not delivered yet: kept
-        assert board.get("s").outcome is told[2]
-        board.delivered("o")
-        assert board.get("o") is None
-
-    asyncio.run(scenario())
-
-
 def test_journal_commits_a_batch_and_isolates_a_failing_write(tmp_path):
     from sqlalchemy import create_engine, select
 

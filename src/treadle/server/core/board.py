@@ -4,21 +4,8 @@ A submit registers its request (`expect`) before the op can run. Once the journa
 committed the op's outcome, `resolve` (any thread) hands the outcome itself to the event loop:
 a `retrieve_future` poll waiting on it returns at once, without reading back the row just
 written. No timer polls the database, and the database stays the record: an outcome leaves
-memory once delivered and committed (a repeated poll reads the row), and the oldest
-undelivered ones leave when too many pile up.
-
-A successful outcome of a kind in TOLD_EARLY is handed over as soon as it is in (`tell`),
-while its commit is still queued: waiting for it puts a thread hand-over and a transaction
-on the round trip of every call (0.1-0.3 ms of a 1-token forward's or an optim_step's,
-measured in one server switched between the two). Telling it early loses nothing:
-- the op's request row, with its payload (the op log), was committed before the op ran;
-- the result is committed ahead of any snapshot taken after the op (one journal, in order),
-  so on disk the op is always either done or pending after its model's last snapshot;
-- recovery runs every pending op again after the snapshot (treadle.server.core.recovery).
-After a crash in between, such an op runs again on the same state with the same inputs:
-the same result, and its change to the model made once in the rebuilt state. Not told
-early: samples (drawn again, they would differ) and creates, loads, saves and snapshots
-(they make rows and files the client names next).
+memory once delivered (a repeated poll reads the row), and the oldest undelivered ones leave
+when too many pile up.
 
 A streamed sample op's future also hears its Progress (tokens as they are sampled, never
 recorded): `progress` (any thread) queues them for `updates`, which ends once the outcome
@@ -39,9 +26,6 @@ from dataclasses import dataclass, field
 from treadle.server.runtime.ops import OpKind, Outcome, Progress
 from treadle.server.storage.queries import Finished
 
-# What a result told before its commit can be: the same once run again (see above).
-TOLD_EARLY = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP})
-
 # Undelivered outcomes kept in memory (a client that never polls must not grow the server).
 MAX_KEPT = 4096
 MAX_KEPT_BYTES = 256 * 2**20
@@ -49,7 +33,7 @@ MAX_KEPT_BYTES = 256 * 2**20
 
 @dataclass
 class Filed:
-    """One future of this process: its kind, and its outcome once committed (or told)."""
+    """One future of this process: its kind, and its outcome once committed."""
 
     kind: OpKind
     tenant_id: str  # its owner: only they may poll it
@@ -57,13 +41,10 @@ class Filed:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # a streamed op's Progress as it comes, then None once the outcome is in
     updates: asyncio.Queue[Progress | None] | None = None
-    committed: bool = False  # the outcome's row is written (false while told early)
-    delivered: bool = False  # the outcome went out before its commit
 
 
 class FutureBoard:
-    """Event-loop side; only `tell`, `resolve` and `progress` may be called from other
-    threads."""
+    """Event-loop side; only `resolve` may be called from other threads."""
 
     def __init__(
         self,
@@ -97,13 +78,6 @@ class FutureBoard:
     def waiting(self) -> list[str]:
         return [rid for rid, entry in self._filed.items() if entry.outcome is None]
 
-    def tell(self, outcomes: list[Outcome]) -> None:
-        """Thread-safe: outcomes whose commit is queued; the successful ones of TOLD_EARLY
-        kinds wake whoever waits on them now. `resolve` must follow for every one."""
-        early = [o for o in outcomes if o.succeeded and not o.records]
-        if early and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._tell, early)
-
     def resolve(self, outcomes: list[Outcome] | list[Finished]) -> None:
         """Thread-safe: the outcomes are committed; wake whoever waits on them."""
         if not self._loop.is_closed():
@@ -128,25 +102,16 @@ class FutureBoard:
             yield item
         entry.updates.put_nowait(None)  # for a second reader
 
-    def _tell(self, outcomes: list[Outcome]) -> None:
-        for outcome in outcomes:
-            entry = self._filed.get(outcome.request_id)
-            if entry is not None and entry.outcome is None and entry.kind in TOLD_EARLY:
-                self._settle(entry, outcome)
-
     def _resolve(self, outcomes: list[Outcome] | list[Finished]) -> None:
         for outcome in outcomes:
             rid = outcome.request_id
             entry = self._filed.get(rid)
-            if entry is None or entry.committed:
+            if entry is None or entry.outcome is not None:
                 continue  # not ours (or already resolved): the database has it
-            entry.committed = True
-            if entry.outcome is None:
-                self._settle(entry, outcome)
-            elif entry.delivered:  # told early, gone out: the row serves it from now on
-                del self._filed[rid]
-                continue
-            # (a told outcome whose commit failed stays: what the client hears is what ran)
+            entry.outcome = outcome
+            entry.ready.set()
+            if entry.updates is not None:
+                entry.updates.put_nowait(None)
             size = len((outcome.result if isinstance(outcome, Finished) else outcome.body) or b"")
             self._finished[rid] = size
             self._kept_bytes += size
@@ -156,12 +121,6 @@ class FutureBoard:
             oldest = next(iter(self._finished))
             self._filed.pop(oldest, None)
             self._drop_finished(oldest)
-
-    def _settle(self, entry: Filed, outcome: Outcome | Finished) -> None:
-        entry.outcome = outcome
-        entry.ready.set()
-        if entry.updates is not None:
-            entry.updates.put_nowait(None)
 
     async def wait(self, entry: Filed, timeout: float | None) -> Outcome | Finished | None:
         """The outcome, or None if `timeout` (None: no limit) passed first."""
@@ -174,16 +133,11 @@ class FutureBoard:
         return entry.outcome
 
     def delivered(self, request_id: str) -> None:
-        """The outcome went out: the database serves any later poll of it (once committed:
-        until then a repeated poll is served from here)."""
+        """The outcome went out: the database serves any later poll of it."""
         entry = self._filed.get(request_id)
-        if entry is None or entry.outcome is None:
-            return
-        if not entry.committed:
-            entry.delivered = True
-            return
-        del self._filed[request_id]
-        self._drop_finished(request_id)
+        if entry is not None and entry.outcome is not None:
+            del self._filed[request_id]
+            self._drop_finished(request_id)
 
     def _drop_finished(self, request_id: str) -> None:
         size = self._finished.pop(request_id, None)

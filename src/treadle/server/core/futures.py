@@ -8,10 +8,8 @@ One database write per request, one per result, both through the journal:
   (treadle.server.core.dedup);
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
   the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
-  then wakes their polls (treadle.server.core.board): a client is told of a result once it
-  is on disk, or (a forward, forward_backward or optim_step that succeeded) once its commit
-  is queued, since recovery would compute it again from the op log (board.TOLD_EARLY); the
-  console's figures and timeline are recorded after the commit
+  only then wakes their polls (treadle.server.core.board): a client is told of a result
+  only once it is on disk; the console's figures and timeline are recorded after that
   (treadle.server.core.metrics, which writes them a moment later);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class), and
@@ -236,13 +234,10 @@ class Futures:
 
     # ---- finishing (any thread; never blocks) ----
     def finish(self, outcomes: list[Outcome]) -> None:
-        """Commit the outcomes, then hand them to their polls (those the board may tell
-        before their commit, at once)."""
-        finished = [encode(o) for o in outcomes]  # here, off the event loop, once for both
-        self.board.tell(outcomes)
+        """Commit the outcomes, then hand them to their polls."""
 
         def write(conn: Any) -> None:
-            finish_requests(conn, finished)
+            finish_requests(conn, [encode(o) for o in outcomes])
             records = [r for o in outcomes if o.succeeded for r in o.records]
             if records:  # record_stability_info: kept with the result that names them
                 insert_records(conn, records)

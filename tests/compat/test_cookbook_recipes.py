@@ -149,10 +149,12 @@ def test_rl_kl_penalty_against_the_base_model(run_cookbook, tmp_path, treadle_se
     )  # fmt: skip
     kl = [m["kl_policy_base"] for m in metrics_of(log) if "kl_policy_base" in m]
     assert len(kl) == 2
-    # before any update the policy is the base model: its sampler and the reference agree;
-    # after one (lr 1e-2) they differ. kl_policy_base is a sample estimate (mean log-ratio
-    # of 4 x 6 sampled tokens), so its sign after the update is not fixed, only its size.
-    assert abs(kl[0]) < 1e-4 and abs(kl[1]) > 1e-3, kl
+    # before any update the policy is the base model: its sampler and the reference agree
+    # (to float rounding: 0-8e-8 in seven runs); after one (lr 1e-2) they differ.
+    # kl_policy_base is a sample estimate (the mean log-ratio of 4 x 6 sampled tokens, not
+    # seeded), so after the update neither its sign nor its size is fixed: 3e-4 to 0.14 in
+    # seven runs, its terms of either sign cancelling more or less.
+    assert abs(kl[0]) < 1e-6 and abs(kl[1]) > 1e-5, kl
 
 
 def test_dpo_forward_backward_custom(run_cookbook, tmp_path, treadle_server):

@@ -17,6 +17,10 @@ Through `treadle serve`, a 1-token forward's round trip is 0.6-0.8 ms shorter on
 From 8 tokens a call on, the threads pay for themselves (8×64: 82 ms on two, 154 on one).
 A decode step feeds one token per row, so a step of up to SMALL_CALL_TOKENS rows runs on
 one thread too. On an accelerator the host threads only launch kernels: nothing changes.
+
+torch keeps the setting per OS thread, and a thread's first parallel op copies the latest
+value set anywhere: another thread whose first torch work fell inside such a call would keep
+one thread. The engine loop does all of an engine's tensor work on its own thread.
 """
 
 from __future__ import annotations

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from treadle.engine import Engine
-from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
+from treadle.engine.types import (
+    AdamSpec,
+    LoraSpec,
+    SampleRequest,
+    SampleSpec,
+    TrainBatch,
+    TrainDatum,
+)
 from treadle.errors import InvalidRequestError, NotFoundError
 
 
@@ -265,8 +272,6 @@ def test_optim_step_errors(engine, new_id):
 def test_small_calls_run_on_one_thread_and_the_setting_comes_back(engine, sft_datum, new_id):
     """A forward of a few tokens, a prefill of a short prompt and a decode step of a few rows
     run on one intra-op thread (treadle.engine.threads); larger ones on all of them."""
-    from treadle.engine.types import SampleRequest, SampleSpec
-
     aid = new_id()
     engine.create_adapter(aid, LoraSpec(rank=4))
     seen: list[tuple[int, int]] = []  # (tokens fed, threads) per model call

@@ -91,7 +91,8 @@ class Engine:
         Gradients accumulate into each adapter until its optim_step.
         Raises InvalidRequestError naming the key and expected shape for bad inputs.
         """
-        with threads_for(sum(len(d.tokens) for b in batches for d in b.data)):
+        lengths = [len(d.tokens) for b in batches for d in b.data]
+        with threads_for(len(lengths) * max(lengths, default=0)):  # the padded (B, T) fed
             return train.forward_backward(
                 self.model,
                 self.bank,

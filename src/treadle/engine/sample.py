@@ -129,7 +129,8 @@ class DecodeBatch:
         stream = list(stream) if stream is not None else [False] * len(requests)
         handles = [next(self._handles) for _ in requests]
         results = [SampleResult(sequences=[]) for _ in requests]
-        with torch.inference_mode(), threads_for(sum(len(r.prompt) for r in requests)):
+        longest = max((len(r.prompt) for r in requests), default=0)
+        with torch.inference_mode(), threads_for(len(requests) * longest):  # at most (P, T)
             plan = _plan(requests)
             _score(engine, plan, requests, results)
             cohort = _prefill_and_expand(engine, plan, requests, results, handles, stream)

@@ -295,8 +295,8 @@ def test_two_batches_of_one_adapter_only_the_bad_one_drops(eng, tenants, sft_dat
     once = _grads(eng, good)
     real = train._batch_loss
 
-    def batch_loss(logits, batch, lengths):
-        loss, outputs = real(logits, batch, lengths)
+    def batch_loss(lp, batch, *rest):
+        loss, outputs = real(lp, batch, *rest)
         return (_InfGrad.apply(loss) if batch.data is loud else loss), outputs
 
     monkeypatch.setattr(train, "_batch_loss", batch_loss)

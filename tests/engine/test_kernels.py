@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.engine.lora import _LoraDelta, _LoraLinear
+from treadle.engine.lora_kernels import _SegmentedLoraLinear
 from treadle.engine.train import _TargetLogprobs
 
 
@@ -58,6 +59,62 @@ def test_a_fresh_adapter_adds_an_exact_zero():
     with torch.no_grad():
         B.zero_()
     assert torch.equal(_LoraLinear.apply(x, W, None, A, B, 4.0), F.linear(x, W))
+
+
+def _segments(dtype, bias: bool, seed: int = 3):
+    """4 rows in 3 segments: 2 rows of adapter 0 (rank 3), 1 base row, 1 row of adapter 1
+    (rank 2, another scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 5, 6, generator=gen, dtype=dtype).requires_grad_(True)  # (B, T, in)
+    W = torch.randn(7, 6, generator=gen, dtype=dtype)
+    b = torch.randn(7, generator=gen, dtype=dtype).requires_grad_(True) if bias else None
+    pairs = [
+        torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(True)
+        for shape in ((3, 6), (7, 3), (2, 6), (7, 2))
+    ]
+    return x, W, b, (2, 1, 1), (0.5, None, 2.0), pairs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_segmented_lora_linear_gradcheck(bias):
+    x, W, b, sizes, scales, pairs = _segments(torch.float64, bias)
+    fn = lambda x, b, *p: _SegmentedLoraLinear.apply(x, W, b, sizes, scales, *p)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, b, *pairs))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_segmented_lora_linear_equals_each_rows_own_expression(bias):
+    x, W, b, sizes, scales, (A0, B0, A1, B1) = _segments(torch.float32, bias, seed=4)
+    g = torch.randn(4, 5, 7)
+    leaves = [t for t in (x, b, A0, B0, A1, B1) if t is not None]
+    got = _SegmentedLoraLinear.apply(x, W, b, sizes, scales, A0, B0, A1, B1)
+    want = torch.cat(
+        [_reference(x[:2], W, b, A0, B0, 0.5), F.linear(x[2:3], W, b)]
+        + [_reference(x[3:], W, b, A1, B1, 2.0)]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    grads = zip(
+        torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g), strict=True
+    )
+    for a, e in grads:
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_segmented_lora_linear_keeps_a_bad_adapter_to_its_rows():
+    """A NaN adapter: its rows are NaN, forward and backward; every other row, and the other
+    adapter's gradients, are exactly what they are without it."""
+    x, W, _, sizes, scales, (A0, B0, A1, B1) = _segments(torch.float32, bias=False, seed=5)
+    g = torch.randn(4, 5, 7)
+    clean = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, A0, B0, A1, B1)
+    clean_dx, clean_dA1 = torch.autograd.grad(clean, (x, A1), g)
+    with torch.no_grad():
+        A0[0, 0] = float("nan")
+    bad = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, A0, B0, A1, B1)
+    dx, dA1 = torch.autograd.grad(bad, (x, A1), g)
+    assert bad[:2].isnan().any() and dx[:2].isnan().any()
+    assert torch.equal(bad[2:], clean[2:]) and torch.equal(dx[2:], clean_dx[2:])
+    assert torch.equal(bad[2], F.linear(x[2], W))  # the base row: nothing added
+    assert torch.equal(dA1, clean_dA1)
 
 
 def test_target_logprobs_equal_cross_entropy():

@@ -33,7 +33,8 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
-def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
+@pytest.mark.parametrize("top_k", [False, True])  # one logprob pass for all, or split logits
+def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id, top_k):
     specs = [
         LoraSpec(rank=2, alpha=4, seed=1),
         LoraSpec(rank=8, alpha=8, seed=2, train_mlp=False),
@@ -43,7 +44,8 @@ def test_mixed_batch_equals_separate_passes(engine, sft_datum, new_id):
     data = {}
     for k, (aid, spec) in enumerate(zip(ids, specs, strict=True)):
         engine.create_adapter(aid, spec)
-        data[aid] = [sft_datum(T, seed=10 * k + j) for j, T in enumerate((5, 11, 8))]
+        k_targets = 3 if top_k and k == 2 else 0  # the last batch: 3 targets per position
+        data[aid] = [sft_datum(T, 10 * k + j, k_targets) for j, T in enumerate((5, 11, 8))]
         # one step first: B != 0, so every parameter gets a gradient below
         engine.forward_backward([TrainBatch(aid, data[aid])])
         engine.optim_step(aid, AdamSpec(learning_rate=1e-2))

@@ -41,7 +41,7 @@ import torch
 
 from treadle.engine.lora import Adapter, AdapterBank, LoraPair
 from treadle.engine.losses import as_int64, validate_batch
-from treadle.engine.train import NONFINITE, _batch_loss, add_or_blame
+from treadle.engine.train import NONFINITE, _batch_loss, _logprobs, add_or_blame
 from treadle.engine.types import TrainBatch, TrainResult
 
 
@@ -191,10 +191,11 @@ def _pass(
             use_cache=False,
         ).logits  # (B, T, V)
     partial, outs = {}, {}
+    lps, targets = _logprobs(logits, [b for _, b in local]) if local else ([], [])
     start = 0
-    for i, b in local:
+    for (i, b), lp, target in zip(local, lps, targets, strict=True):
         stop = start + len(b.data)
-        partial[i], outs[i] = _batch_loss(logits[start:stop], b, lengths[start:stop])
+        partial[i], outs[i] = _batch_loss(lp, b, lengths[start:stop], target)
         start = stop
     return partial, outs, logits if fsdp else None
 

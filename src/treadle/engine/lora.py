@@ -16,13 +16,15 @@ each LoRA layer serves all adapters, forward and backward:
   the rank is high for the layer's size and the call has many tokens, one matmul with the
   merged weight `W + scale * B A` instead of the base matmul plus the low-rank product
   (merge_is_cheaper states when, from FLOPs); differentiable in A and B like the product;
-- several tokens per row (prefill), or any call with gradients (training): the input is split
-  into the contiguous rows of each adapter (permuted first when an adapter's rows are
-  scattered), one matmul pair per adapter, the updates concatenated: linear in the batch;
-- one token per row without gradients (a decode step): the rows are put in groups of one
-  adapter each, every group gets its own adapter's A and B (zero-padded to the largest rank,
-  built once per rows() context), and two batched matmuls serve all groups at once (the
-  BGMV / SGMV shape of Punica and S-LoRA): a step then costs reading each adapter once.
+- any call with gradients (training): the rows are put in contiguous runs of one adapter
+  each (permuted first when an adapter's rows are scattered), the base matmul runs once and
+  each run's low-rank update is accumulated into its own rows (_SegmentedLoraLinear, one
+  matmul pair per adapter, no (B, T, out) update built); linear in the batch;
+- without gradients (a prefill, a decode step, a logprob pass): the rows are put in groups
+  of one adapter each, every group gets its own adapter's A and B (zero-padded to the
+  largest rank, kept across calls by WeightStacks), and two batched matmuls serve all
+  groups at once (the BGMV / SGMV shape of Punica and S-LoRA): a decode step then costs
+  reading each adapter once.
 Isolation: a row's numbers depend only on its own adapter and the base, whatever shares its
 batch. No path multiplies a row by another adapter's weights, not even by a zero mask (a
 NaN adapter would otherwise poison its neighbours: NaN * 0 is NaN). Rows without a LoRA on a
@@ -68,7 +70,13 @@ from treadle.engine.lora_kernels import (
     merge_is_cheaper,
 )
 from treadle.engine.lora_kernels import _LoraDelta as _LoraDelta  # re-exported
-from treadle.engine.lora_routing import WeightStacks, _grouped, _Route, _segmented_delta
+from treadle.engine.lora_routing import (
+    WeightStacks,
+    _grouped,
+    _Route,
+    _segmented_delta,
+    _segmented_linear,
+)
 from treadle.engine.types import LoraSpec
 from treadle.errors import ConflictError, InvalidRequestError, NotFoundError
 
@@ -299,11 +307,15 @@ class AdapterBank:
                     )
                 out = base_forward(module, x)  # (B, T, out)
                 return (out + _delta(x, pair)).to(out.dtype)
-            out = base_forward(module, x)  # (B, T, out)
             # without gradients (a prefill and its decode steps, a logprob pass): batched
             # matmuls over groups of one adapter, on weights stacked once (WeightStacks)
             if x.dim() == 3 and not torch.is_grad_enabled():
-                return _grouped(x, out, route, path)
+                return _grouped(x, base_forward(module, x), route, path)
+            if plain and not module.weight.requires_grad:  # each segment fused, as above
+                fused = _segmented_linear(x, module, route, path)
+                if fused is not None:
+                    return fused
+            out = base_forward(module, x)  # (B, T, out)
             delta = _segmented_delta(x, route, path)
             return out if delta is None else (out + delta).to(out.dtype)
 

@@ -1,10 +1,12 @@
-"""The single-adapter path of a LoRA layer: its autograd functions and the merge rule.
+"""The LoRA layer's autograd functions and the merge rule.
 
 When every row of a call uses one adapter, a layer computes `x W^T + b + scale * B(A x)`
 either through the fused _LoraLinear (frozen plain nn.Linear, one dtype), the base call plus
 _delta, or one matmul with the merged weight W + scale * B A (_merged_weight) when
-merge_is_cheaper says so. _delta is also what the segmented path of treadle.engine.lora_routing
-runs per adapter, so rows of one adapter get the same numbers on either path.
+merge_is_cheaper says so. A training call whose rows use several adapters runs
+_SegmentedLoraLinear, _LoraLinear's arithmetic on each adapter's rows, or (other dtypes) the
+base call plus _delta per adapter (treadle.engine.lora_routing): rows of one adapter get the
+same numbers whichever path their call takes.
 """
 
 from __future__ import annotations
@@ -113,6 +115,66 @@ class _LoraDelta(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
         dx, dA, dB = _lora_grads(dy2, x2, A, B, hs, ctx.scale, need_x, need_a, need_b)
         return None if dx is None else dx.view(ctx.in_shape), dA, dB, None
+
+
+class _SegmentedLoraLinear(torch.autograd.Function):
+    """x W^T + b for all rows, plus each segment's own scale * (x A^T) B^T on its rows: the
+    rows come cut into contiguous segments of one adapter each (`sizes` rows, `scales[s]`
+    None for a segment with no LoRA here, whose rows get nothing added), and every segment
+    gets _LoraLinear's arithmetic, accumulated into its rows of the one base matmul.
+
+    What it saves over the base call plus a concatenated delta: that path builds an update
+    for every row (an exact zero for base rows), concatenates and adds them, and backward
+    concatenates the input gradients again: three extra passes over an (N, out) tensor,
+    which on a large unembedding (SmolLM2: 49k outputs per token) cost as much as the LoRA.
+    `pairs` holds the A, B of the segments with a LoRA, in order.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, b, sizes, scales, *pairs):
+        T = x.shape[1]
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in), segment by segment
+        y = x2 @ W.t() if b is None else torch.addmm(b, x2, W.t())  # (N, out)
+        hss = []
+        for rows, (A, B), scale in _segments(sizes, scales, pairs, T):
+            hs = (x2[rows] @ A.t()).mul_(scale)  # (n, r)
+            y[rows].addmm_(hs, B.t())
+            hss.append(hs)
+        ctx.save_for_backward(x2, W, *pairs, *hss)
+        ctx.sizes, ctx.scales, ctx.in_shape, ctx.n_pairs = sizes, scales, x.shape, len(pairs)
+        return y.view(*x.shape[:-1], W.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, W, *saved = ctx.saved_tensors
+        pairs, hss = saved[: ctx.n_pairs], saved[ctx.n_pairs :]
+        need_x, _, need_bias = ctx.needs_input_grad[:3]
+        need_ab = ctx.needs_input_grad[5:]
+        dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
+        dx = dy2 @ W if need_x else None  # (N, in)
+        grads = []
+        segments = _segments(ctx.sizes, ctx.scales, pairs, ctx.in_shape[1])
+        for k, ((rows, (A, B), scale), hs) in enumerate(zip(segments, hss, strict=True)):
+            need_a, need_b = need_ab[2 * k], need_ab[2 * k + 1]
+            dx_s, dA, dB = _lora_grads(dy2[rows], x2[rows], A, B, hs, scale, need_x, need_a, need_b)
+            if need_x:
+                dx[rows].add_(dx_s)
+            grads += [dA, dB]
+        db = dy2.sum(0) if need_bias else None
+        dx = None if dx is None else dx.view(ctx.in_shape)
+        return dx, None, db, None, None, *grads
+
+
+def _segments(sizes, scales, pairs, T):
+    """(rows of the flattened input, (A, B), scale) of each segment that has a LoRA."""
+    start, k, out = 0, 0, []
+    for n, scale in zip(sizes, scales, strict=True):
+        if scale is not None:
+            out.append((slice(start * T, (start + n) * T), (pairs[2 * k], pairs[2 * k + 1]), scale))
+            k += 1
+        start += n
+    return out
 
 
 def _lora_grads(dy2, x2, A, B, hs, scale, need_x, need_a, need_b):

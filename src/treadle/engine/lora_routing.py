@@ -1,11 +1,12 @@
 """The multi-adapter paths of a LoRA layer: a call whose rows use several adapters.
 
 _Route is what AdapterBank.rows() plans (treadle.engine.lora); each LoRA layer then reads
-it: calls with gradients split the rows by adapter (_segmented_delta, one matmul pair per
-adapter); calls without (decode steps, prefills, logprob passes) gather them into groups of
-one adapter and run two batched matmuls for all groups (_grouped, the BGMV / SGMV shape) on
-stacked weights that WeightStacks keeps from one call to the next. No path multiplies a row
-by another adapter's weights.
+it: calls with gradients run the base matmul once and add each adapter's update to its own
+rows (_segmented_linear, one matmul pair per adapter; where it does not apply, the base
+call plus _segmented_delta); calls without (decode steps, prefills, logprob passes) gather
+the rows into groups of one adapter and run two batched matmuls for all groups (_grouped,
+the BGMV / SGMV shape) on stacked weights that WeightStacks keeps from one call to the
+next. No path multiplies a row by another adapter's weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from treadle.engine.lora_adapters import Adapter
-from treadle.engine.lora_kernels import _delta
+from treadle.engine.lora_kernels import _delta, _SegmentedLoraLinear
 
 
 class _Stack(NamedTuple):
@@ -147,6 +148,24 @@ def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor 
         ]
     )  # (B, T, out)
     return delta if route.inverse is None else delta.index_select(0, route.inverse)
+
+
+def _segmented_linear(
+    x: torch.Tensor, module: torch.nn.Linear, route: _Route, path: str
+) -> torch.Tensor | None:
+    """The base call and every row's own update in one pass (_SegmentedLoraLinear): (B, T,
+    out). None where that pass does not apply (no row has a LoRA here, or the input and the
+    adapters are not all of the base's dtype): then the base call plus _segmented_delta."""
+    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+    dtypes = {x.dtype, module.weight.dtype} | {p.A.dtype for p in pairs if p is not None}
+    if x.dim() != 3 or len(dtypes) > 1 or all(p is None for p in pairs):
+        return None
+    xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
+    sizes = tuple(n for _, n in route.segments)
+    scales = tuple(None if p is None else p.scale for p in pairs)
+    tensors = [t for p in pairs if p is not None for t in (p.A, p.B)]
+    y = _SegmentedLoraLinear.apply(xs, module.weight, module.bias, sizes, scales, *tensors)
+    return y if route.inverse is None else y.index_select(0, route.inverse)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,13 +77,11 @@ def forward_backward(
     outputs: list[list[dict[str, np.ndarray]]] = []
     with torch.set_grad_enabled(not forward_only), bank.rows(keys):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        lps, targets = _logprobs(logits, batches)
         start = 0
-        for batch in batches:
+        for batch, lp, target in zip(batches, lps, targets, strict=True):
             stop = start + len(batch.data)
-            # one batch takes the logits whole: a slice would cost a (B, T, V) zero-fill and
-            # copy in backward
-            rows = logits if len(batches) == 1 else logits[start:stop]
-            loss, outs = _batch_loss(rows, batch, lengths[start:stop])
+            loss, outs = _batch_loss(lp, batch, lengths[start:stop], target)
             losses.append(loss)
             outputs.append(outs)
             start = stop
@@ -173,36 +172,93 @@ def _add_if_finite(adapter: Adapter, grads: tuple[torch.Tensor | None, ...]) -> 
     return True
 
 
-def _batch_loss(
-    logits: torch.Tensor, batch: TrainBatch, lengths: list[int]
-) -> tuple[torch.Tensor, list[dict[str, np.ndarray]]]:
-    """Loss (a scalar, summed over tokens) and per-datum logprobs of one session's rows."""
+@dataclass
+class _Targets:
+    """One batch's target tokens: as sent, and padded to the call's (n, T) or (n, T, K)."""
+
+    sent: list[np.ndarray]
+    padded: torch.Tensor
+    top_k: bool  # some datum sends (T_i, K_i) targets: K logprobs per position
+
+
+def _targets(batch: TrainBatch, T: int, device: torch.device) -> _Targets:
+    sent = [as_int64(d.loss_inputs["target_tokens"]) for d in batch.data]
+    top_k = any(t.ndim == 2 for t in sent)
+    K = max((t.shape[1] for t in sent if t.ndim == 2), default=1)
+    return _Targets(sent, _pad(sent, len(sent), T, K if top_k else None, np.int64, device), top_k)
+
+
+def _pad(
+    values: list, n: int, T: int, K: int | None, dtype: type, device: torch.device
+) -> torch.Tensor:
+    """Each datum's (T_i,) or (T_i, K_i) values in an (n, T) or (n, T, K) zero tensor."""
+    out = np.zeros((n, T) if K is None else (n, T, K), dtype=dtype)
+    for i, v in enumerate(values):
+        v = np.asarray(v, dtype=dtype)
+        if K is not None:
+            v = v.reshape(v.shape[0], -1)  # (T_i, K_i): a (T,) datum is K = 1
+            out[i, : v.shape[0], : v.shape[1]] = v
+        else:
+            out[i, : v.shape[0]] = v
+    return torch.from_numpy(out).to(device)
+
+
+def _logprobs(
+    logits: torch.Tensor, batches: list[TrainBatch]
+) -> tuple[list[torch.Tensor], list[_Targets]]:
+    """Each batch's target logprobs (n, T) or (n, T, K), and its targets.
+
+    Without top-k targets one pass over the vocabulary serves every row and only the small
+    (B, T) result is split by batch: splitting the (B, T, V) logits instead costs their
+    size again in backward (the gradients of the pieces are concatenated), and slicing
+    them batch by batch a zero-filled (B, T, V) gradient per batch.
+    """
+    T = logits.shape[1]
+    targets = [_targets(b, T, logits.device) for b in batches]
+    sizes = [len(b.data) for b in batches]
+    if len(batches) == 1:  # a lone batch takes the logits whole
+        return [_target_lp(logits, targets[0].padded, targets[0].top_k)], targets
+    if any(t.top_k for t in targets):
+        pieces = logits.split(sizes)
+        return [
+            _target_lp(x, t.padded, t.top_k) for x, t in zip(pieces, targets, strict=True)
+        ], targets
+    every = torch.cat([t.padded for t in targets])  # (B, T)
+    return list(_target_lp(logits, every, top_k=False).split(sizes)), targets
+
+
+def _target_lp(logits: torch.Tensor, targets: torch.Tensor, top_k: bool) -> torch.Tensor:
+    """log_softmax(logits) at the targets, in fp32 (the loss always is): (n, T[, K])."""
     n, T, V = logits.shape
-    device = logits.device
+    logits_f = logits.float()
+    if top_k:
+        return logits_f.log_softmax(-1).gather(-1, targets)  # (n, T, K)
+    if logits_f.requires_grad:
+        return _TargetLogprobs.apply(logits_f.reshape(n * T, V), targets.reshape(n * T)).view(n, T)
+    # cross_entropy fuses log_softmax and the gather: one pass over the vocabulary
+    return -F.cross_entropy(
+        logits_f.reshape(n * T, V), targets.reshape(n * T), reduction="none"
+    ).view(n, T)
+
+
+def _batch_loss(
+    lp: torch.Tensor, batch: TrainBatch, lengths: list[int], targets: _Targets
+) -> tuple[torch.Tensor, list[dict[str, np.ndarray]]]:
+    """Loss (a scalar, summed over tokens) and per-datum logprobs of one session's rows,
+    from their target logprobs lp (n, T) or (n, T, K)."""
+    n, T = lp.shape[:2]
+    device = lp.device
     spec = LOSSES[batch.loss_fn]
-    targets_np = [as_int64(d.loss_inputs["target_tokens"]) for d in batch.data]
-    top_k = any(t.ndim == 2 for t in targets_np)
-    K = max((t.shape[1] for t in targets_np if t.ndim == 2), default=1)
-    tail = (K,) if top_k else ()
-
-    def pad(values: list[np.ndarray], dtype: type) -> torch.Tensor:
-        out = np.zeros((n, T, *tail), dtype=dtype)  # (n, T) or (n, T, K)
-        for i, v in enumerate(values):
-            v = np.asarray(v, dtype=dtype)
-            if top_k:
-                v = v.reshape(v.shape[0], -1)  # (T_i, K_i): a (T,) datum is K = 1
-                out[i, : v.shape[0], : v.shape[1]] = v
-            else:
-                out[i, : v.shape[0]] = v
-        return torch.from_numpy(out).to(device)
-
-    targets = pad(targets_np, np.int64)  # (n, T[, K])
+    top_k, sent = targets.top_k, targets.sent
+    K = lp.shape[2] if top_k else None
     inputs: dict[str, torch.Tensor] = {}
     for key in FLOAT_KEYS:
         if not any(key in d.loss_inputs for d in batch.data):
             continue
         if key == "weights":
-            inputs[key] = pad([d.loss_inputs[key] for d in batch.data], np.float32)
+            inputs[key] = _pad(
+                [d.loss_inputs[key] for d in batch.data], n, T, K, np.float32, device
+            )
             continue
         # a per-token clip threshold sent for some datums only: the others use the config's
         default = batch.loss_config.get(key, CLIP_DEFAULTS.get(key, 0.0))
@@ -211,25 +267,15 @@ def _batch_loss(
             padded[i, : lengths[i]] = d.loss_inputs.get(key, default)
         inputs[key] = torch.from_numpy(padded).to(device)
 
-    logits_f = logits.float()  # (n, T, V): the loss is always computed in fp32
-    if top_k:
-        lp = logits_f.log_softmax(-1).gather(-1, targets)  # (n, T, K)
-    elif logits_f.requires_grad:
-        lp = _TargetLogprobs.apply(logits_f.reshape(n * T, V), targets.reshape(n * T)).view(n, T)
-    else:
-        # cross_entropy fuses log_softmax and the gather: one pass over the vocabulary
-        lp = -F.cross_entropy(
-            logits_f.reshape(n * T, V), targets.reshape(n * T), reduction="none"
-        ).view(n, T)  # (n, T)
     real = torch.arange(T, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     if top_k:
-        real = real[..., None] & _k_mask(targets_np, n, T, K, device)  # (n, T, K)
+        real = real[..., None] & _k_mask(sent, n, T, K, device)  # (n, T, K)
     per_token = spec.fn(lp, inputs, batch.loss_config)  # (n, T[, K])
     loss = torch.where(real, per_token, torch.zeros_like(per_token)).sum()
 
     lp_np = lp.detach().cpu().numpy()
     outputs = []
-    for i, t in enumerate(targets_np):
+    for i, t in enumerate(sent):
         out = lp_np[i, : t.shape[0], : t.shape[1]] if t.ndim == 2 else lp_np[i, : t.shape[0]]
         if top_k and t.ndim == 1:
             out = lp_np[i, : t.shape[0], 0]

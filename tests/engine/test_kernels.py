@@ -61,37 +61,61 @@ def test_a_fresh_adapter_adds_an_exact_zero():
     assert torch.equal(_LoraLinear.apply(x, W, None, A, B, 4.0), F.linear(x, W))
 
 
-def _segments(dtype, bias: bool, seed: int = 3):
-    """4 rows in 3 segments: 2 rows of adapter 0 (rank 3), 1 base row, 1 row of adapter 1
-    (rank 2, another scale)."""
+# (rows, rank, scale) of each segment, rank None for rows without a LoRA here
+LAYOUTS = {
+    "segments": [(2, 3, 0.5), (1, None, None), (1, 2, 2.0)],
+    # neighbours of equal rows and rank form runs that batched matmuls serve
+    "runs": [(1, 3, 0.5), (1, 3, 2.0), (1, 3, 1.0), (1, None, None), (2, 2, 1.5), (2, 2, 3.0)],
+}
+
+
+def _segments(dtype, bias: bool, layout: str, seed: int = 3):
+    """x (B, 5, 6), W (7, 6), b, the segments' sizes and scales, and their A, B in order."""
+    segs = LAYOUTS[layout]
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 5, 6, generator=gen, dtype=dtype).requires_grad_(True)  # (B, T, in)
+    x = torch.randn(sum(n for n, _, _ in segs), 5, 6, generator=gen, dtype=dtype)
     W = torch.randn(7, 6, generator=gen, dtype=dtype)
     b = torch.randn(7, generator=gen, dtype=dtype).requires_grad_(True) if bias else None
     pairs = [
         torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_(True)
-        for shape in ((3, 6), (7, 3), (2, 6), (7, 2))
+        for _, r, _ in segs
+        if r is not None
+        for shape in ((r, 6), (7, r))
     ]
-    return x, W, b, (2, 1, 1), (0.5, None, 2.0), pairs
+    sizes, scales = tuple(n for n, _, _ in segs), tuple(s for _, _, s in segs)
+    return x.requires_grad_(True), W, b, sizes, scales, pairs
 
 
+def _each_rows_own(x, W, b, sizes, scales, pairs):
+    """Each segment through its own plain expression (the base alone for rows without)."""
+    out, start, it = [], 0, iter(pairs)
+    for n, scale in zip(sizes, scales, strict=True):
+        rows = x[start : start + n]
+        out.append(
+            F.linear(rows, W, b)
+            if scale is None
+            else _reference(rows, W, b, *[next(it), next(it)], scale)
+        )
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_segmented_lora_linear_gradcheck(bias):
-    x, W, b, sizes, scales, pairs = _segments(torch.float64, bias)
+def test_segmented_lora_linear_gradcheck(bias, layout):
+    x, W, b, sizes, scales, pairs = _segments(torch.float64, bias, layout)
     fn = lambda x, b, *p: _SegmentedLoraLinear.apply(x, W, b, sizes, scales, *p)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, b, *pairs))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_segmented_lora_linear_equals_each_rows_own_expression(bias):
-    x, W, b, sizes, scales, (A0, B0, A1, B1) = _segments(torch.float32, bias, seed=4)
-    g = torch.randn(4, 5, 7)
-    leaves = [t for t in (x, b, A0, B0, A1, B1) if t is not None]
-    got = _SegmentedLoraLinear.apply(x, W, b, sizes, scales, A0, B0, A1, B1)
-    want = torch.cat(
-        [_reference(x[:2], W, b, A0, B0, 0.5), F.linear(x[2:3], W, b)]
-        + [_reference(x[3:], W, b, A1, B1, 2.0)]
-    )
+def test_segmented_lora_linear_equals_each_rows_own_expression(bias, layout):
+    x, W, b, sizes, scales, pairs = _segments(torch.float32, bias, layout, seed=4)
+    g = torch.randn(x.shape[0], 5, 7)
+    leaves = [t for t in (x, b, *pairs) if t is not None]
+    got = _SegmentedLoraLinear.apply(x, W, b, sizes, scales, *pairs)
+    want = _each_rows_own(x, W, b, sizes, scales, pairs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     grads = zip(
         torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g), strict=True
@@ -100,21 +124,55 @@ def test_segmented_lora_linear_equals_each_rows_own_expression(bias):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
-def test_segmented_lora_linear_keeps_a_bad_adapter_to_its_rows():
-    """A NaN adapter: its rows are NaN, forward and backward; every other row, and the other
-    adapter's gradients, are exactly what they are without it."""
-    x, W, _, sizes, scales, (A0, B0, A1, B1) = _segments(torch.float32, bias=False, seed=5)
-    g = torch.randn(4, 5, 7)
-    clean = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, A0, B0, A1, B1)
-    clean_dx, clean_dA1 = torch.autograd.grad(clean, (x, A1), g)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_segmented_lora_linear_keeps_a_bad_adapter_to_its_rows(layout):
+    """A NaN adapter (the first): its rows are NaN, forward and backward; every other row,
+    and every other adapter's gradients, are exactly what they are without it, also when
+    it shares a run's stacked weights."""
+    x, W, _, sizes, scales, pairs = _segments(torch.float32, False, layout, seed=5)
+    g = torch.randn(x.shape[0], 5, 7)
+    n = sizes[0]
+    clean = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, *pairs)
+    clean_dx, *clean_rest = torch.autograd.grad(clean, (x, *pairs[2:]), g)
     with torch.no_grad():
-        A0[0, 0] = float("nan")
-    bad = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, A0, B0, A1, B1)
-    dx, dA1 = torch.autograd.grad(bad, (x, A1), g)
-    assert bad[:2].isnan().any() and dx[:2].isnan().any()
-    assert torch.equal(bad[2:], clean[2:]) and torch.equal(dx[2:], clean_dx[2:])
-    assert torch.equal(bad[2], F.linear(x[2], W))  # the base row: nothing added
-    assert torch.equal(dA1, clean_dA1)
+        pairs[0][0, 0] = float("nan")
+    bad = _SegmentedLoraLinear.apply(x, W, None, sizes, scales, *pairs)
+    dx, *rest = torch.autograd.grad(bad, (x, *pairs[2:]), g)
+    assert bad[:n].isnan().any() and dx[:n].isnan().any()
+    assert torch.equal(bad[n:], clean[n:]) and torch.equal(dx[n:], clean_dx[n:])
+    base = sum(sizes[: scales.index(None)])  # the first row without a LoRA
+    assert torch.equal(bad[base], F.linear(x[base], W))  # nothing added to it
+    assert all(torch.equal(a, c) for a, c in zip(rest, clean_rest, strict=True))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_segmented_lora_linear_on_a_bf16_base_equals_the_base_call_plus_deltas(layout):
+    """bf16 input and base, fp32 adapters (the GPU set-up): the numbers of the base call plus
+    each segment's fp32 update, cast back (the path taken before, and where this one is not)."""
+    x, W, b, sizes, scales, pairs = _segments(torch.float32, True, layout, seed=6)
+    x = x.detach().bfloat16().requires_grad_(True)
+    W = W.bfloat16()
+    b = b.detach().bfloat16().requires_grad_(True)
+    g = torch.randn(x.shape[0], 5, 7).bfloat16()
+    got = _SegmentedLoraLinear.apply(x, W, b, sizes, scales, *pairs)
+    out, pieces, start, it = F.linear(x, W, b), [], 0, iter(pairs)
+    for n, scale in zip(sizes, scales, strict=True):
+        rows = out[start : start + n]
+        if scale is not None:
+            delta = _LoraDelta.apply(x[start : start + n].float(), next(it), next(it), scale)
+            rows = (rows + delta).to(rows.dtype)
+        pieces.append(rows)
+        start += n
+    want = torch.cat(pieces)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    leaves = [x, b, *pairs]
+    grads = zip(
+        torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g), strict=True
+    )
+    for a, e in grads:
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2)
 
 
 def test_target_logprobs_equal_cross_entropy():

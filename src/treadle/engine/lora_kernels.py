@@ -4,12 +4,14 @@ When every row of a call uses one adapter, a layer computes `x W^T + b + scale *
 either through the fused _LoraLinear (frozen plain nn.Linear, one dtype), the base call plus
 _delta, or one matmul with the merged weight W + scale * B A (_merged_weight) when
 merge_is_cheaper says so. A training call whose rows use several adapters runs
-_SegmentedLoraLinear, _LoraLinear's arithmetic on each adapter's rows, or (other dtypes) the
-base call plus _delta per adapter (treadle.engine.lora_routing): rows of one adapter get the
-same numbers whichever path their call takes.
+_SegmentedLoraLinear, _LoraLinear's arithmetic on each adapter's rows (treadle.engine.
+lora_routing; the base call plus _delta per adapter where it does not apply): rows of one
+adapter get the same numbers whichever path their call takes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -120,14 +122,19 @@ class _LoraDelta(torch.autograd.Function):
 class _SegmentedLoraLinear(torch.autograd.Function):
     """x W^T + b for all rows, plus each segment's own scale * (x A^T) B^T on its rows: the
     rows come cut into contiguous segments of one adapter each (`sizes` rows, `scales[s]`
-    None for a segment with no LoRA here, whose rows get nothing added), and every segment
-    gets _LoraLinear's arithmetic, accumulated into its rows of the one base matmul.
+    None for a segment with no LoRA here, whose rows get nothing added), and every segment's
+    update is accumulated into its rows of the one base matmul, as _LoraLinear does.
 
-    What it saves over the base call plus a concatenated delta: that path builds an update
-    for every row (an exact zero for base rows), concatenates and adds them, and backward
-    concatenates the input gradients again: three extra passes over an (N, out) tensor,
-    which on a large unembedding (SmolLM2: 49k outputs per token) cost as much as the LoRA.
-    `pairs` holds the A, B of the segments with a LoRA, in order.
+    Neighbouring segments of equal rows and rank form a run that batched matmuls serve at
+    once, on their A and B stacked for the call (64 sessions of one row each: a few matmuls
+    per layer, not 64 pairs). What this saves over the base call plus a concatenated delta:
+    that path builds an update for every row (an exact zero for base rows), concatenates and
+    adds them, and backward concatenates the input gradients again: three extra passes over
+    an (N, out) tensor, which on a large unembedding (SmolLM2: 49k outputs per token) cost
+    as much as the LoRA. `pairs` holds the A, B of the segments with a LoRA, in order.
+    The update is computed in the adapters' dtype: on a bf16 base with fp32 adapters each
+    run's rows are cast to fp32, their update summed with the base output in fp32 and cast
+    back, the numbers of the base call plus _delta.
     """
 
     @staticmethod
@@ -135,46 +142,96 @@ class _SegmentedLoraLinear(torch.autograd.Function):
         T = x.shape[1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, in), segment by segment
         y = x2 @ W.t() if b is None else torch.addmm(b, x2, W.t())  # (N, out)
-        hss = []
-        for rows, (A, B), scale in _segments(sizes, scales, pairs, T):
-            hs = (x2[rows] @ A.t()).mul_(scale)  # (n, r)
-            y[rows].addmm_(hs, B.t())
-            hss.append(hs)
-        ctx.save_for_backward(x2, W, *pairs, *hss)
-        ctx.sizes, ctx.scales, ctx.in_shape, ctx.n_pairs = sizes, scales, x.shape, len(pairs)
+        runs = _runs(sizes, scales, pairs, T)
+        saved = []
+        for run in runs:
+            A, B = run.stacks(pairs)  # (k, r, in), (k, out, r)
+            xk = _view(x2, run, A.dtype)  # (k, n*T, in)
+            hs = torch.bmm(xk, A.transpose(1, 2)).mul_(run.scale(A))  # (k, n*T, r)
+            yk = y[run.rows].view(run.k, -1, y.shape[1])  # (k, n*T, out)
+            if yk.dtype == A.dtype:
+                yk.baddbmm_(hs, B.transpose(1, 2))
+            else:  # summed in the adapter's dtype, then cast, as the base call plus _delta
+                yk.copy_(torch.baddbmm(yk.to(A.dtype), hs, B.transpose(1, 2)))
+            saved += [A, B, hs]
+        ctx.save_for_backward(x2, W, *saved)
+        ctx.runs, ctx.in_shape = runs, x.shape
         return y.view(*x.shape[:-1], W.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x2, W, *saved = ctx.saved_tensors
-        pairs, hss = saved[: ctx.n_pairs], saved[ctx.n_pairs :]
         need_x, _, need_bias = ctx.needs_input_grad[:3]
-        need_ab = ctx.needs_input_grad[5:]
         dy2 = dy.reshape(-1, dy.shape[-1])  # (N, out)
         dx = dy2 @ W if need_x else None  # (N, in)
-        grads = []
-        segments = _segments(ctx.sizes, ctx.scales, pairs, ctx.in_shape[1])
-        for k, ((rows, (A, B), scale), hs) in enumerate(zip(segments, hss, strict=True)):
-            need_a, need_b = need_ab[2 * k], need_ab[2 * k + 1]
-            dx_s, dA, dB = _lora_grads(dy2[rows], x2[rows], A, B, hs, scale, need_x, need_a, need_b)
+        grads: list[torch.Tensor] = []
+        for i, run in enumerate(ctx.runs):
+            A, B, hs = saved[3 * i : 3 * i + 3]
+            xk, dyk = _view(x2, run, A.dtype), _view(dy2, run, A.dtype)  # (k, n*T, in / out)
+            dB = torch.bmm(hs.transpose(1, 2), dyk).transpose(1, 2)  # (k, out, r)
+            dh = torch.bmm(dyk, B).mul_(run.scale(A))  # (k, n*T, r)
+            dA = torch.bmm(dh.transpose(1, 2), xk)  # (k, r, in)
             if need_x:
-                dx[rows].add_(dx_s)
-            grads += [dA, dB]
+                dxk = dx[run.rows].view(run.k, -1, dx.shape[1])  # (k, n*T, in)
+                if dxk.dtype == A.dtype:
+                    dxk.baddbmm_(dh, A)
+                else:
+                    dxk.add_(torch.bmm(dh, A).to(dxk.dtype))
+            for a, b_ in zip(dA.unbind(), dB.unbind(), strict=True):
+                grads += [a, b_.contiguous()]
         db = dy2.sum(0) if need_bias else None
         dx = None if dx is None else dx.view(ctx.in_shape)
         return dx, None, db, None, None, *grads
 
 
-def _segments(sizes, scales, pairs, T):
-    """(rows of the flattened input, (A, B), scale) of each segment that has a LoRA."""
-    start, k, out = 0, 0, []
+def _view(t2: torch.Tensor, run: _Run, dtype: torch.dtype) -> torch.Tensor:
+    """A run's rows of a flattened (N, d) tensor as (k, n*T, d), in `dtype`."""
+    return t2[run.rows].view(run.k, -1, t2.shape[1]).to(dtype)
+
+
+class _Run(NamedTuple):
+    """Neighbouring segments with a LoRA, of equal rows and rank: their rows of the flattened
+    input, how many (k), which of `pairs` (first), and their scales."""
+
+    rows: slice
+    k: int
+    first: int  # index of the run's first segment among those with a LoRA
+    scales: tuple[float, ...]
+
+    def stacks(self, pairs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        As = pairs[2 * self.first : 2 * (self.first + self.k) : 2]
+        Bs = pairs[2 * self.first + 1 : 2 * (self.first + self.k) : 2]
+        if self.k == 1:  # views, no copy
+            return As[0].unsqueeze(0), Bs[0].unsqueeze(0)
+        return torch.stack(As), torch.stack(Bs)
+
+    def scale(self, like: torch.Tensor) -> torch.Tensor | float:
+        if self.k == 1:
+            return self.scales[0]
+        return torch.tensor(self.scales, dtype=like.dtype, device=like.device)[:, None, None]
+
+
+def _runs(sizes, scales, pairs, T) -> list[_Run]:
+    """The runs of segments with a LoRA, in row order."""
+    runs: list[_Run] = []
+    start, k = 0, 0  # k: segments with a LoRA seen so far
+    prev: tuple | None = None  # (n, rank) of the run being extended, if it ends at `start`
     for n, scale in zip(sizes, scales, strict=True):
-        if scale is not None:
-            out.append((slice(start * T, (start + n) * T), (pairs[2 * k], pairs[2 * k + 1]), scale))
+        if scale is None:
+            prev = None
+        else:
+            shape = (n, pairs[2 * k].shape[0])
+            if prev == shape:
+                last = runs[-1]
+                rows = slice(last.rows.start, (start + n) * T)
+                runs[-1] = _Run(rows, last.k + 1, last.first, (*last.scales, scale))
+            else:
+                runs.append(_Run(slice(start * T, (start + n) * T), 1, k, (scale,)))
+            prev = shape
             k += 1
         start += n
-    return out
+    return runs
 
 
 def _lora_grads(dy2, x2, A, B, hs, scale, need_x, need_a, need_b):

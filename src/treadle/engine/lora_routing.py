@@ -154,11 +154,11 @@ def _segmented_linear(
     x: torch.Tensor, module: torch.nn.Linear, route: _Route, path: str
 ) -> torch.Tensor | None:
     """The base call and every row's own update in one pass (_SegmentedLoraLinear): (B, T,
-    out). None where that pass does not apply (no row has a LoRA here, or the input and the
-    adapters are not all of the base's dtype): then the base call plus _segmented_delta."""
+    out). None where that pass does not apply (no row has a LoRA here, an input not of the
+    base's dtype, adapters of several dtypes): then the base call plus _segmented_delta."""
     pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
-    dtypes = {x.dtype, module.weight.dtype} | {p.A.dtype for p in pairs if p is not None}
-    if x.dim() != 3 or len(dtypes) > 1 or all(p is None for p in pairs):
+    dtypes = {p.A.dtype for p in pairs if p is not None}
+    if x.dim() != 3 or x.dtype != module.weight.dtype or len(dtypes) != 1:
         return None
     xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
     sizes = tuple(n for _, n in route.segments)

@@ -125,12 +125,17 @@ class _Route:
     stacks: WeightStacks = field(default_factory=WeightStacks)
 
 
+def _pairs(route: _Route, path: str) -> list:
+    """Each segment's LoraPair on this layer (None: base rows, or an adapter without one)."""
+    return [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+
+
 def _segmented_delta(x: torch.Tensor, route: _Route, path: str) -> torch.Tensor | None:
     """Split the rows by adapter, one matmul pair per adapter, concatenate: (B, T, out).
 
     None when no row has a LoRA on this layer.
     """
-    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+    pairs = _pairs(route, path)
     if all(p is None for p in pairs):
         return None
     xs = x if route.perm is None else x.index_select(0, route.perm)  # (B, T, in)
@@ -156,7 +161,7 @@ def _segmented_linear(
     """The base call and every row's own update in one pass (_SegmentedLoraLinear): (B, T,
     out). None where that pass does not apply (no row has a LoRA here, an input not of the
     base's dtype, adapters of several dtypes): then the base call plus _segmented_delta."""
-    pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+    pairs = _pairs(route, path)
     dtypes = {p.A.dtype for p in pairs if p is not None}
     if x.dim() != 3 or x.dtype != module.weight.dtype or len(dtypes) != 1:
         return None
@@ -236,7 +241,7 @@ def _grouped(x: torch.Tensor, out: torch.Tensor, route: _Route, path: str) -> to
     """
     entry = route.cache.get(path)
     if entry is None:
-        pairs = [a.layers.get(path) if a is not None else None for a, _ in route.segments]
+        pairs = _pairs(route, path)
         present = tuple(p is not None for p in pairs)
         entry = (None, None, None)
         if any(present):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from treadle.engine.lora_adapters import Adapter
+from treadle.engine.lora_adapters import Adapter, LoraPair
 from treadle.engine.lora_kernels import _delta, _SegmentedLoraLinear
 
 
@@ -125,7 +125,7 @@ class _Route:
     stacks: WeightStacks = field(default_factory=WeightStacks)
 
 
-def _pairs(route: _Route, path: str) -> list:
+def _pairs(route: _Route, path: str) -> list[LoraPair | None]:
     """Each segment's LoraPair on this layer (None: base rows, or an adapter without one)."""
     return [a.layers.get(path) if a is not None else None for a, _ in route.segments]
 

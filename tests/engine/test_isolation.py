@@ -187,6 +187,12 @@ def _grads(eng, aid: str) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in eng.bank.live(aid).parameters()]
 
 
+def _equal_to_rounding(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The same sums in another order: within a few ulps of the tensor's largest entries
+    (measured: up to 5e-7 of them), never the O(1) difference of a dropped or leaked row."""
+    torch.testing.assert_close(x, y, rtol=1e-5, atol=4e-6 * y.abs().max().item())
+
+
 def _clear(eng, *aids: str) -> None:
     for aid in aids:
         for p in eng.bank.live(aid).parameters():
@@ -280,7 +286,7 @@ def test_an_infinite_loss_adds_nothing(eng, tenants, sft_datum):
     # alone, `other` takes the single-adapter kernels (lora._LoraLinear), mixed the
     # segmented ones: the same sums in another order, equal to rounding
     for x, y in zip(other_before, _grads(eng, other), strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        _equal_to_rounding(x, y)
     eng.optim_step(good, AdamSpec(learning_rate=1e-2))
     assert unsafe_layer(eng.bank.live(good).layers) is None
     assert eng.adapter_step(good) == 1
@@ -304,7 +310,7 @@ def test_two_batches_of_one_adapter_only_the_bad_one_drops(eng, tenants, sft_dat
     assert np.isfinite(res[1].metrics["loss:sum"]) and res[1].metrics[NONFINITE] == 1.0
     assert res[0].metrics[NONFINITE] == 0.0
     for x, y in zip(once, _grads(eng, good), strict=True):  # sums over 8 rows, then 16
-        torch.testing.assert_close(2 * x, y, rtol=1e-5, atol=1e-6)
+        _equal_to_rounding(2 * x, y)
     (alone,) = eng.forward_backward([TrainBatch(good, loud)])
     assert alone.metrics[NONFINITE] == 1.0
 

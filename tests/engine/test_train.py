@@ -28,9 +28,12 @@ def _clear(engine, aid: str) -> None:
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """Equal to fp32 rounding. The same sums in another order (another kernel, another batch
+    layout) differ by a few ulps of a tensor's largest entries, so atol grows with them:
+    gradients of up to 19 here differ by up to 3e-5 on some CPUs."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 * max(1.0, y.abs().max().item()))
 
 
 @pytest.mark.parametrize("top_k", [False, True])  # one logprob pass for all, or split logits

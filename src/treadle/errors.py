@@ -90,6 +90,13 @@ class EngineDeadError(TreadleError, RuntimeError):
     status = 503
 
 
+class DeviceFaultError(TreadleError, RuntimeError):
+    """The request was running each time its engine's device failed, each time in a fresh
+    worker process (treadle.server.runtime.faults): it is not run again."""
+
+    status = 500
+
+
 def _subclasses(cls: type[TreadleError]) -> list[type[TreadleError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from treadle.engine.types import AdamSpec, SampleRequest, TrainDatum, TrainResult
 from treadle.errors import EngineDeadError, ErrorInfo, InvalidRequestError
@@ -18,6 +19,7 @@ from treadle.server.runtime import engine_loop
 from treadle.server.runtime.engine_client import EngineFacts
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.faults import EngineFault
 from treadle.server.runtime.ops import (
     Op,
     OpKind,
@@ -124,6 +126,26 @@ def test_samples_share_one_call_up_to_the_cap_oldest_first():
     assert [o.seq_id for o in steps[0].ops] == [4, 3, 2]
 
 
+def test_an_op_that_was_running_at_an_engine_fault_is_a_call_of_its_own():
+    suspect = op("forward_backward", "a", 2, t=1.0)
+    suspect.faults = 1
+    queues = {
+        "a": queue(2, suspect, op("forward_backward", "a", 3)),  # its next chunk waits
+        "b": queue(0, op("forward_backward", "b", 0, t=2.0)),
+        "c": queue(4, op("forward_backward", "c", 4, t=3.0), op("forward_backward", "c", 5)),
+    }
+    queues["c"].pending[5].faults = 1  # a suspect follower is not taken along either
+    samples = [op("sample", None, i, t=float(i)) for i in range(3)]
+    samples[1].faults = 1
+    steps = plan_round(queues, samples, 8)
+    assert [(s.kind, [o.request_id for o in s.ops]) for s in steps] == [
+        ("train", ["b-0-forward_backward", "c-4-forward_backward"]),
+        ("train", ["a-2-forward_backward"]),
+        ("sample", ["None-0-sample", "None-2-sample"]),
+        ("sample", ["None-1-sample"]),
+    ]
+
+
 # ---- the loop, with a fake engine ----------------------------------------------------------
 
 
@@ -154,6 +176,17 @@ class FakeEngine:
         if adapter_id == "boom":
             raise RuntimeError("the device fell over (fake)")
         return {}
+
+
+class FaultyDeviceEngine(FakeEngine):
+    """A batch of adapter 'poison' raises CUDA's illegal-address error (as torch does)."""
+
+    def forward_backward(self, batches, forward_only=False):
+        if any(b.adapter_id == "poison" for b in batches):
+            with self.lock:
+                self.calls.append([b.adapter_id for b in batches])
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return super().forward_backward(batches, forward_only)
 
 
 def train_op(model: str, seq: int, loss_fn: str = "cross_entropy") -> Op:
@@ -283,3 +316,73 @@ def test_a_dead_loop_fails_every_pending_future_and_every_later_one(monkeypatch)
         worker.stop()
     assert {o.error.type for o in collect.outcomes.values()} == {"EngineDeadError"}
     assert all("fake" in o.error.message for o in collect.outcomes.values())
+
+
+def test_an_engine_fault_goes_to_on_fault_with_the_ops_of_the_call_before_any_outcome():
+    """A worker exits in on_fault (the API runs the ops again), so nothing is failed.
+    Run again with op.faults set, each op is an engine call of its own."""
+    engine = FaultyDeviceEngine()
+    faults: list[tuple[EngineFault, int]] = []
+    collect = Collector(expect=2)
+
+    def on_fault(fault: EngineFault) -> None:
+        faults.append((fault, len(collect.outcomes)))
+
+    worker = EngineLoop(FACTS, OpExecutor(engine, writer=None), collect, on_fault=on_fault)
+    for model in ("a", "poison"):
+        worker.add_model(model)
+        worker.submit(train_op(model, 0))
+    worker.start()  # both are queued before the first round: one engine call
+    try:
+        deadline = time.monotonic() + 10
+        while not faults and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert engine.calls == [["a", "poison"]]  # no retry one by one on a broken device
+    fault, heard_before = faults[0]
+    assert sorted(o.request_id for o in fault.ops) == ["a:0", "poison:0"]
+    assert "illegal memory access" in str(fault) and heard_before == 0
+
+    engine = FaultyDeviceEngine()
+    worker, collect = make_worker(engine, expect=2)
+    for model in ("a", "poison"):
+        worker.add_model(model)
+        again = train_op(model, 0)
+        again.faults = 1
+        worker.submit(again)
+    worker.start()
+    try:
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert engine.calls == [["a"], ["poison"]]
+    assert collect.outcomes["a:0"].succeeded  # the poison's second fault: its loop dies alone
+    assert collect.outcomes["poison:0"].error.type == "EngineDeadError"
+
+
+def test_a_control_call_that_breaks_the_device_is_an_engine_fault_too():
+    faults: list[EngineFault] = []
+    executor = OpExecutor(FakeEngine(), writer=None)
+    worker = EngineLoop(FACTS, executor, Collector(0), on_fault=faults.append)
+
+    def unknown_ref():
+        raise InvalidRequestError("ref: no such sampler")
+
+    def restore():
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    worker.start()
+    try:
+        with pytest.raises(InvalidRequestError):
+            worker.call(unknown_ref).result(timeout=10)  # a request's own error: no fault
+        assert not faults
+        with pytest.raises(torch.AcceleratorError):
+            worker.call(restore).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while not faults and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert len(faults) == 1 and not faults[0].ops
+    assert "device-side assert" in str(faults[0])

@@ -26,7 +26,9 @@ A group that can no longer act as one engine (a collective failed because a rank
 the ranks disagree on the outcome of a call) is ended: the process exits at once with
 GROUP_BROKEN, torchrun ends the other ranks, and whoever started it starts a new group,
 which the API restores as it restores one restarted worker process. An outcome is never
-reported from a broken group.
+reported from a broken group. A rank whose device a call left unusable
+(treadle.engine.device_faults) makes every rank raise AcceleratorError for it, so that rank
+0's worker reports the fault and the ops it hit (treadle.server.runtime.faults) and exits.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from treadle.engine.device_faults import is_device_fault
 from treadle.engine.engine import Engine
 from treadle.engine.types import (
     AdamSpec,
@@ -307,8 +310,8 @@ class DistributedEngine:
         apart, so it ends the group."""
         try:
             return fn(*args)
-        except (TreadleError, GroupFailure, GroupBroken):
-            raise
+        except (TreadleError, GroupFailure, GroupBroken, torch.AcceleratorError):
+            raise  # the same on every rank (see raise_failures)
         except Exception as e:  # noqa: BLE001
             self.broken(f"{fn.__module__}.{fn.__name__}: {type(e).__name__}: {e}")
 
@@ -351,14 +354,19 @@ class DistributedEngine:
         return out
 
     def raise_failures(self, failure: BaseException | None) -> None:
-        """Collective: if any rank failed, every rank raises (the first failure, at rank 0)."""
-        if not self.vote(int(failure is not None)):
+        """Collective: if any rank failed, every rank raises (the first failure, at rank 0);
+        if some rank's device is unusable after it, an AcceleratorError naming that rank."""
+        fault = failure is not None and is_device_fault(failure, self.engine.device)
+        if not self.vote(2 if fault else int(failure is not None)):
             return
-        failures = [None] * self.group.world
-        self._safely(
-            dist.all_gather_object, failures, _picklable(failure), group=self.group.control
-        )
-        first = next(f for f in failures if f is not None)
+        failures: list[Any] = [None] * self.group.world
+        mine = (fault, _picklable(failure))
+        self._safely(dist.all_gather_object, failures, mine, group=self.group.control)
+        faulted = [(rank, f) for rank, (bad, f) in enumerate(failures) if bad]
+        if faulted:
+            rank, f = faulted[0]
+            raise torch.AcceleratorError(f"rank {rank}: {f}")
+        first = next(f for _, f in failures if f is not None)
         raise first if isinstance(first, TreadleError) else GroupFailure(str(first))
 
     def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

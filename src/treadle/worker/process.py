@@ -9,6 +9,11 @@ through the same EngineLoop the in-process mode uses, and sends back outcomes, s
 changes and state snapshots. It writes checkpoint rows to the database itself (as the
 in-process engine thread does), so it needs the server's --data-dir / --db.
 
+An engine fault (treadle.server.runtime.faults: a device left unusable, or the engine loop
+dead) ends the process at once with EXIT_ENGINE_FAULT, after telling the API which ops were
+running; nothing is failed here, since the API runs the acknowledged ops again on the new
+worker its supervisor starts.
+
 If the API goes silent (no heartbeat for API_SILENT_S), or says it does not know this
 worker, the worker says HELLO again until it is welcomed; being welcomed again makes it
 drop every model first, since the API restores them all from its database. SIGTERM or SHUTDOWN: run what
@@ -35,12 +40,14 @@ from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, EngineFault
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Outcome, Progress
+from treadle.server.runtime.ops import Op, Outcome, Progress
 from treadle.server.runtime.remote import TOKEN_ENV
 from treadle.server.storage.database import Store
+from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder
 
 log = logging.getLogger("treadle.worker")
 
@@ -80,6 +87,8 @@ class Worker:
             on_refs=self._refs,
         )
         self.facts = EngineFacts.of(name, engine)
+        recorder_path = os.environ.get(FLIGHT_RECORDER_ENV)
+        self.recorder = FlightRecorder(recorder_path) if recorder_path else None
         self.loop = EngineLoop(
             self.facts,
             executor,
@@ -91,6 +100,8 @@ class Worker:
             report_replays=True,
             park=park_limits(config),
             on_progress=self._progress,
+            on_fault=self._fault,
+            on_running=self._running if self.recorder is not None else None,
         )
         self.channel = Channel(
             zmq.DEALER,
@@ -211,6 +222,9 @@ class Worker:
         body = messages.encode_outcomes(outcomes, self.loop.positions())
         self.channel.send([Kind.OUTCOMES.encode(), body])
 
+    def _running(self, ops: list[Op]) -> None:
+        self.recorder.record([op.request_id for op in ops])  # type: ignore[union-attr]
+
     def _progress(self, items: list[Progress]) -> None:
         self._send(Kind.PROGRESS, messages.ProgressMsg(items))
 
@@ -219,6 +233,18 @@ class Worker:
 
     def _snapshot(self, snap: StateSnapshot) -> None:
         self._send(Kind.SNAPSHOT, snap)
+
+    def _fault(self, fault: EngineFault) -> None:
+        """Engine thread: the engine cannot go on in this process. Say which ops were
+        running, wait (briefly) for that to leave, and exit."""
+        ids = [op.request_id for op in fault.ops]
+        if self.recorder is not None:
+            self.recorder.clear()  # said here: the supervisor must not blame them again
+        log.critical("engine fault with %d ops running: %s; exiting", len(ids), fault)
+        body = messages.encode(messages.Fault(ids, str(fault)))
+        self.channel.send_and_close([Kind.FAULT.encode(), body], linger_s=2.0)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_FAULT)
 
     def _send(self, kind: Kind, obj: Any) -> None:
         self.channel.send([kind.encode(), messages.encode(obj)])

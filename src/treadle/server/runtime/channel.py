@@ -85,6 +85,19 @@ class Channel:
             os.close(self._wake_w)
         self.ctx.term()
 
+    def send_and_close(self, frames: list[bytes], linger_s: float) -> None:
+        """A last message before the process exits: sent, then the socket closed, waiting up
+        to linger_s for the message to leave (the IO thread receives nothing more)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping.set()
+            self.socket.send_multipart(frames, copy=False)
+            self.socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
+            self.socket.close()
+        self.ctx.term()
+
     def send(self, frames: list[bytes]) -> None:
         """Any thread: put frames on the socket now (in order, per sending thread)."""
         with self._lock:

@@ -15,6 +15,11 @@ Tokens of streamed sample ops go to `on_progress` after every step.
 
 If the loop itself dies (an error outside any one op), every queued op fails with
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
+Given `on_fault` (a worker process), an engine fault (treadle.server.runtime.faults) or
+the loop's death goes there instead, and the worker exits: the API runs the acknowledged
+ops again on a new one. `on_running` hears the ops of each engine call before it starts
+(and [] when it ends), for a crash that leaves no time to say (treadle.worker.
+flight_recorder).
 
 Durability: when a model's snapshot is due (treadle.server.runtime.deferred), its state is
 written at an idle moment (executor.snapshot_state) and announced with the seq_id it
@@ -44,6 +49,7 @@ from treadle.server.runtime.engine_client import (
     SnapshotPolicy,
 )
 from treadle.server.runtime.executor import OpExecutor
+from treadle.server.runtime.faults import EngineFault
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.server.runtime.scheduler import (
@@ -82,8 +88,12 @@ class EngineLoop(NamedControls):
         report_replays: bool = False,
         park: ParkLimits = DEFAULT_PARK_LIMITS,
         on_progress: OnProgress | None = None,
+        on_fault: Callable[[EngineFault], None] | None = None,
+        on_running: Callable[[list[Op]], None] | None = None,
     ):
         self.facts = facts
+        self._on_fault = on_fault
+        self._on_running = on_running or (lambda ops: None)
         self._on_progress = on_progress
         self.park = park
         self.executor = executor
@@ -252,8 +262,11 @@ class EngineLoop(NamedControls):
         try:
             self._rounds()
         except BaseException as e:  # noqa: BLE001 - the loop is gone: say so to everyone
-            log.exception("engine loop of %s died", self.name)
-            self._die(e)
+            fault = e if isinstance(e, EngineFault) else EngineFault(e)
+            log.critical("engine loop of %s stopped: %s", self.name, fault, exc_info=e)
+            if self._on_fault is not None:
+                self._on_fault(fault)  # a worker: it exits, and the API runs the ops again
+            self._die(fault.cause)
 
     def _rounds(self) -> None:
         while True:
@@ -276,6 +289,8 @@ class EngineLoop(NamedControls):
             # so that a round never runs an op of a model a call just removed.
             for fn, fut in calls:
                 _run_call(fn, fut)
+                if isinstance(error := fut.exception(), Exception):
+                    self.executor.check_fault(error, [])  # a restore on a broken device
             with self._cond:
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
@@ -307,7 +322,10 @@ class EngineLoop(NamedControls):
                 return yield_decode(self.queues, self._runnable_samples_locked(), self._room())
 
         progress = self._progress if self._on_progress is not None else None
-        self._finish(self.executor.decode(until, progress))  # type: ignore[arg-type]
+        self._on_running(self.executor.decoding())
+        outcomes = self.executor.decode(until, progress)  # type: ignore[arg-type]
+        self._on_running([])
+        self._finish(outcomes)
 
     def _progress(self, items: list[Progress]) -> None:
         if self._replay:
@@ -352,6 +370,7 @@ class EngineLoop(NamedControls):
 
     def _execute(self, step: Step) -> None:
         started = time.time()  # the console's request timeline (Outcome.timed)
+        self._on_running(step.ops)
         try:
             if step.kind == "train":
                 outcomes = self.executor.run_train(step.ops, step.forward_only)
@@ -359,9 +378,12 @@ class EngineLoop(NamedControls):
                 outcomes = self.executor.admit_samples(step.ops)
             else:
                 outcomes = [self.executor.run_single(step.ops[0])]
+        except EngineFault:
+            raise
         except Exception as e:  # the executor catches per op; this is a last resort
             log.exception("step %s failed", step.kind)
             outcomes = [Outcome.failed(op.request_id, e) for op in step.ops]
+        self._on_running([])
         ready = []
         for outcome in outcomes:
             if isinstance(outcome, Deferred):

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treadle.engine.device_faults import is_device_fault
 from treadle.engine.types import TrainBatch
 from treadle.errors import NotFoundError
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.deferred import Deferred
+from treadle.server.runtime.faults import EngineFault
 from treadle.server.runtime.live_weights import LiveWeights
 from treadle.server.runtime.ops import (
     CreateAdapter,
@@ -100,6 +102,7 @@ class OpExecutor(LiveWeights):
         try:
             results = self.engine.forward_backward(batches, forward_only)
         except Exception as e:
+            self.check_fault(e, ops)
             if len(ops) == 1:
                 return [failure(ops[0], e)]
             log.warning("mixed train batch of %d failed (%s); retrying one by one", len(ops), e)
@@ -114,6 +117,7 @@ class OpExecutor(LiveWeights):
         try:
             results = self.engine.sample([op.payload.request for op in ops])
         except Exception as e:
+            self.check_fault(e, ops)
             if len(ops) == 1:
                 return [failure(ops[0], e)]
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
@@ -129,8 +133,10 @@ class OpExecutor(LiveWeights):
     def admit_samples(self, ops: list[Op]) -> list[Outcome]:
         """Prefill sample ops and join them to the decode batch: → the outcomes of those
         already over (refused, or needing no decode step come out of the next `decode`).
-        If the prefill fails and held several ops, each is tried alone."""
-        if not callable(getattr(self.engine, "decode_batch", None)):
+        If the prefill fails and held several ops, each is tried alone. An op that was
+        running at an engine fault (one per step: the scheduler's rule) runs to its end here,
+        outside the shared decode batch."""
+        if not callable(getattr(self.engine, "decode_batch", None)) or ops[0].faults:
             return self.run_samples(ops)
         if self._batch is None:
             self._batch = self.engine.decode_batch()
@@ -143,6 +149,7 @@ class OpExecutor(LiveWeights):
         try:
             handles = self._batch.add(requests, stream=[op.payload.stream for op in ops])
         except Exception as e:
+            self.check_fault(e, [*ops, *(f.op for f in self._flights.values())])
             for held in holds:
                 self._release(held)
             if len(ops) == 1:
@@ -174,6 +181,7 @@ class OpExecutor(LiveWeights):
         try:
             finished = batch.step(until=lambda: batch.has_results or until(), on_tokens=on_tokens)
         except Exception as e:
+            self.check_fault(e, [f.op for f in self._flights.values()])
             log.exception("a decode step of %d sample ops failed", len(self._flights))
             return [failure(op, e) for op in self.abort_samples()]
         outcomes = []
@@ -182,6 +190,10 @@ class OpExecutor(LiveWeights):
             self._release(flight.holds)
             outcomes.append(sample_outcome(flight.op, result).timed(flight.started_at))
         return outcomes
+
+    def decoding(self) -> list[Op]:
+        """The sample ops in the decode batch."""
+        return [f.op for f in self._flights.values()]
 
     def abort_samples(self) -> list[Op]:
         """Forget every sample op in the decode batch (→ them), and the batch itself."""
@@ -233,7 +245,14 @@ class OpExecutor(LiveWeights):
         try:
             return self._single[op.kind](op)
         except Exception as e:
+            self.check_fault(e, [op])
             return failure(op, e)
+
+    def check_fault(self, error: Exception, running: list[Op]) -> None:
+        """Raise EngineFault if `error`, raised by an engine call, left the device unusable
+        (`running`: the ops of that call)."""
+        if is_device_fault(error, getattr(self.engine, "device", None)):
+            raise EngineFault(error, running) from error
 
     def _skip(self, op: Op) -> Outcome:
         """A request refused at the API edge, holding its seq_id's place in the order."""

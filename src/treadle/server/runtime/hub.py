@@ -50,8 +50,11 @@ class WorkerHub:
     def send(self, identity: bytes, kind: Kind, body: bytes) -> None:
         self.channel.send([identity, kind.encode(), body])
 
-    def worker_exited(self, model: str, replica: int, reason: str) -> None:
-        """The supervisor saw the process end: no need to wait for the heartbeat to lapse."""
+    def worker_exited(
+        self, model: str, replica: int, reason: str, running: list[str] | None = None
+    ) -> None:
+        """The supervisor saw the process end: no need to wait for the heartbeat to lapse.
+        `running`: the ops a crashed worker was running (blamed as a fault's are)."""
         group = self.engines.get(model)
         if group is None or replica >= len(group.replicas):
             return
@@ -60,6 +63,8 @@ class WorkerHub:
             if owner is engine:
                 self._by_identity.pop(identity, None)
                 self._seen.pop(identity, None)
+        if running:
+            engine.blame(running, reason)
         engine.lost(reason)
 
     def _on_message(self, frames: list[bytes]) -> None:

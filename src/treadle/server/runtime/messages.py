@@ -38,7 +38,7 @@ from treadle.server.runtime.ops import (
     Usage,
 )
 
-PROTOCOL = 1
+PROTOCOL = 2
 _ARRAY = 1  # msgpack extension code of a numpy array
 
 
@@ -55,6 +55,7 @@ class Kind(enum.StrEnum):
     REPLY = "reply"  # its answer
     REFS = "refs"  # sampler weights the worker now holds / dropped
     SNAPSHOT = "snapshot"  # a model's state was written to disk up to a seq_id
+    FAULT = "fault"  # the engine cannot go on: the worker exits (treadle.server.runtime.faults)
     HEARTBEAT = "heartbeat"
     REJOIN = "rejoin"  # the API does not know this worker (any more): say HELLO again
     SHUTDOWN = "shutdown"  # drain what was acknowledged, snapshot, exit
@@ -104,6 +105,12 @@ class Snapshotted:
 
 
 @dataclass
+class Fault:
+    request_ids: list[str]  # the ops that were running
+    error: str
+
+
+@dataclass
 class ProgressMsg:
     items: list[Progress]
 
@@ -116,6 +123,7 @@ class _OpMsg:
     seq_id: int | None
     replay: bool
     payload: msgspec.Raw
+    faults: int = 0
 
 
 _RESULT_TYPES: dict[str, type] = {
@@ -183,14 +191,16 @@ def decode_payload(kind: OpKind, data: bytes | memoryview) -> Payload:
 
 def encode_op(op: Op, payload: bytes | None = None) -> bytes:
     raw = msgspec.Raw(payload if payload is not None else encode_payload(op.payload))
-    return encode(_OpMsg(op.request_id, str(op.kind), op.model_id, op.seq_id, op.replay, raw))
+    return encode(
+        _OpMsg(op.request_id, str(op.kind), op.model_id, op.seq_id, op.replay, raw, op.faults)
+    )
 
 
 def decode_op(data: bytes | memoryview) -> Op:
     m = decode(data, _OpMsg)
     kind = OpKind(m.kind)
     payload = decode_payload(kind, m.payload)
-    return Op(m.request_id, kind, payload, m.model_id, m.seq_id, replay=m.replay)
+    return Op(m.request_id, kind, payload, m.model_id, m.seq_id, replay=m.replay, faults=m.faults)
 
 
 @dataclass

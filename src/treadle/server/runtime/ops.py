@@ -212,6 +212,9 @@ class Op:
     # Re-run during recovery to rebuild a model's state: its outcome was already recorded
     # (or is being recorded), so nobody hears of it again.
     replay: bool = False
+    # Engine faults this op was running at (treadle.server.runtime.faults): from 1 on it
+    # runs alone, so that the next fault, if any, names the op that caused it.
+    faults: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
     # The payload as the op log stores it and as a worker receives it (encoded once)
     encoded: bytes | None = field(default=None, repr=False, compare=False)

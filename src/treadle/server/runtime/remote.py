@@ -10,7 +10,9 @@ holds, and every op sent but not finished. When its worker goes silent (no heart
 a worker of the model is back, `on_ready` restores the models (treadle.server.core.
 recovery), then the unfinished ops are sent again, in their order. A future never hangs:
 if no worker returns within `give_up_after_s`, the engine's unfinished ops fail with
-EngineDeadError.
+EngineDeadError. A worker whose engine faulted (treadle.server.runtime.faults) says which
+ops were running before it exits: they run alone on the next worker, and one that was
+running at MAX_FAULTS faults fails with DeviceFaultError instead of running again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from treadle.errors import (
+    DeviceFaultError,
+    EngineDeadError,
+    ErrorInfo,
+    InvalidRequestError,
+    NotFoundError,
+)
 from treadle.server.runtime import messages
 from treadle.server.runtime.engine_client import (
     EngineFacts,
@@ -34,9 +42,10 @@ from treadle.server.runtime.engine_client import (
     OnProgress,
     OnSnapshot,
 )
+from treadle.server.runtime.faults import MAX_FAULTS
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress
+from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress, Skip
 
 if TYPE_CHECKING:
     from treadle.server.runtime.hub import WorkerHub
@@ -266,6 +275,10 @@ class RemoteEngine(NamedControls):
                 self._live.difference_update(refs.dropped)
         elif kind == Kind.SNAPSHOT:
             self._on_snapshot(messages.decode(body, StateSnapshot))
+        elif kind == Kind.FAULT:
+            fault = messages.decode(body, messages.Fault)
+            log.error("the engine of %s faulted (%s)", self.name, fault.error)
+            self.blame(fault.request_ids, fault.error)
 
     def tick(self) -> None:
         """Hub thread: fail everything if the worker has been gone too long."""
@@ -323,6 +336,37 @@ class RemoteEngine(NamedControls):
                     heard.append(o)
         if heard:
             self._on_outcomes(heard)
+
+    def blame(self, request_ids: list[str], error: str) -> None:
+        """The worker's engine faulted (or the worker crashed) with these ops running: each
+        runs alone next time; one at its MAX_FAULTS-th fault is refused instead (in its
+        seq_id's place, so that its model's later ops go on)."""
+        given_up = []
+        with self._lock:
+            for rid in request_ids:
+                op = self._sent.get(rid)
+                if op is None:
+                    continue
+                op.faults += 1
+                if op.faults < MAX_FAULTS or op.replay:
+                    continue  # a replay's outcome was recorded: it must run to restore
+                refusal = DeviceFaultError(
+                    f"this request was running each time the engine of {self.name!r} failed, "
+                    f"{op.faults} times, each in a new worker process, so it is not run "
+                    f"again; the last failure: {error}"
+                )
+                log.error("request %s (%s): %s", rid, op.kind, refusal)
+                if op.kind == OpKind.SAMPLE:
+                    del self._sent[rid]
+                    given_up.append(Outcome.failed(rid, refusal))
+                    continue
+                info = ErrorInfo.of(refusal)
+                skip = Op(rid, OpKind.SKIP, Skip(info), op.model_id, op.seq_id)
+                skip.enqueued_at = op.enqueued_at
+                self._sent[rid] = skip
+                self._outbox = [skip if o.request_id == rid else o for o in self._outbox]
+        if given_up:
+            self._outcomes_later(given_up)
 
     def _got_progress(self, items: list[Progress]) -> None:
         """Tokens of streamed ops still in flight (none of replays, nor of ops given up)."""

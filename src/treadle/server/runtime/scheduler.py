@@ -176,6 +176,9 @@ def plan_round(
     engine takes forward_only per call); pending samples (up to max_sample_batch, the room
     the decode batch has left, oldest first) join the decode batch in one prefill. Within a
     round: singles, then train, then sample; then the loop decodes until `yield_decode`.
+    An op that was running at an engine fault (`op.faults`, treadle.server.runtime.faults)
+    is a call of its own: its train run holds only it, and a sample op of that kind is a
+    step of its own, which the executor runs outside the shared decode batch.
     """
     singles: list[Step] = []
     train: dict[bool, list[list[Op]]] = {False: [], True: []}
@@ -189,13 +192,16 @@ def plan_round(
             singles.append(Step("single", [head]))
     steps = singles
     for forward_only in (False, True):
-        if train[forward_only]:
-            runs = sorted(train[forward_only], key=lambda run: run[0].enqueued_at)
-            steps.append(Step("train", [op for run in runs for op in run], forward_only))
+        runs = sorted(train[forward_only], key=lambda run: run[0].enqueued_at)
+        shared = [op for run in runs if not run[0].faults for op in run]
+        if shared:
+            steps.append(Step("train", shared, forward_only))
+        steps += [Step("train", run, forward_only) for run in runs if run[0].faults]
     if samples and max_sample_batch > 0:
-        steps.append(
-            Step("sample", sorted(samples, key=lambda op: op.enqueued_at)[:max_sample_batch])
-        )
+        taken = sorted(samples, key=lambda op: op.enqueued_at)[:max_sample_batch]
+        if shared := [op for op in taken if not op.faults]:
+            steps.append(Step("sample", shared))
+        steps += [Step("sample", [op]) for op in taken if op.faults]
     return steps
 
 
@@ -237,6 +243,8 @@ def yield_decode(queues: dict[str, ModelQueue], samples: list[Op], room: int) ->
 def _train_run(queue: ModelQueue, head: Op, max_tokens: int) -> list[Op]:
     """The head and the consecutive ops of its model that may share its engine call."""
     run, tokens = [head], _tokens(head)
+    if head.faults:
+        return run
     while (nxt := queue.pending.get(run[-1].seq_id + 1)) is not None and _same_call(head, nxt):
         tokens += _tokens(nxt)
         if tokens > max_tokens:
@@ -246,7 +254,7 @@ def _train_run(queue: ModelQueue, head: Op, max_tokens: int) -> list[Op]:
 
 
 def _same_call(head: Op, op: Op) -> bool:
-    if op.kind != head.kind:
+    if op.kind != head.kind or op.faults:
         return False
     a, b = head.payload, op.payload
     assert isinstance(a, TrainData) and isinstance(b, TrainData)

@@ -10,6 +10,12 @@ worker (treadle.worker.group): a group of N ranks for the model. A rank that die
 the group down (torchrun ends the others and exits), and the group is started again as
 one worker would be. On GPUs each group gets GPUs of its own while there are enough
 (treadle.server.runtime.placement), through its CUDA_VISIBLE_DEVICES.
+
+A worker that crashed (killed by a signal of its own making: a segfault, an abort, a bus
+error) leaves in its flight recorder (treadle.worker.flight_recorder) the ops it was
+running; they go with the exit to the hub, which blames them as it blames the ops of a
+reported engine fault. A SIGKILL is someone else's doing (an operator, the OOM killer), and
+a group's exit status is torchrun's, which does not say how its rank died: neither blames.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -27,10 +34,14 @@ from pathlib import Path
 from treadle.server.config import ServerConfig
 from treadle.server.runtime.placement import plan_gpus
 from treadle.server.runtime.remote import TOKEN_ENV
+from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, read_running
 
 log = logging.getLogger("treadle.supervisor")
 
 MAX_BACKOFF_S = 10.0
+CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+)
 
 
 def _die_with_parent() -> None:
@@ -49,7 +60,8 @@ class Supervisor:
         config: ServerConfig,
         address: str,
         token: str,
-        on_exit: Callable[[str, int, str], None],  # (model name, replica, reason)
+        # (model name, replica, reason, the ops a crashed worker was running)
+        on_exit: Callable[[str, int, str, list[str]], None],
     ):
         self.config = config
         self.address = address
@@ -98,8 +110,13 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             reason = f"worker process {proc.pid} exited with code {code}"
+            running: list[str] = []
+            if code < 0 and -code in CRASH_SIGNALS and self.config.devices == 1:
+                running = read_running(self.recorder_path(name, replica))
+                crash = signal.Signals(-code).name
+                reason = f"worker process {proc.pid} crashed ({crash}) running {len(running)} ops"
             log.error("%s (replica %d): %s; starting a new one", name, replica, reason)
-            self.on_exit(name, replica, reason)
+            self.on_exit(name, replica, reason, running)
             self.restarts[key] = self.restarts.get(key, 0) + 1
             backoff = 0.5 if time.monotonic() - started > 60 else min(backoff * 2, MAX_BACKOFF_S)
             self._stopping.wait(backoff)
@@ -125,12 +142,16 @@ class Supervisor:
     def environment(self, name: str, replica: int) -> dict[str, str]:
         """The worker group's environment: this process's, the hub's token, its GPUs."""
         env = {**os.environ, TOKEN_ENV: self.token}
+        env[FLIGHT_RECORDER_ENV] = str(self.recorder_path(name, replica))
         if (name, replica) in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[(name, replica)])
         n = self.config.devices
         if n > 1:  # torchrun's default is one thread per rank; CPU ranks share the cores
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         return env
+
+    def recorder_path(self, name: str, replica: int) -> Path:
+        return Path(self.config.data_dir) / f"worker-{_slug(name)}-{replica}.running"
 
 
 def group_args(n: int) -> list[str]:

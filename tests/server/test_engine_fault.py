@@ -1,0 +1,254 @@
+"""An error that leaves the device unusable ends its worker, not its neighbours' requests.
+
+The workers of a real `treadle serve` run with a fault planted through Python's own
+`sitecustomize` hook (nothing in the server knows of it): a train batch or a sample whose
+prompt begins with POISON raises torch.AcceleratorError, CUDA's "illegal memory access",
+and from then on every engine call of that process fails the same way, as a poisoned CUDA
+context does; one that begins with SEGFAULT really segfaults the worker. Another tenant's
+request that shared the engine call with it must still succeed, with the right numbers,
+and the hostile request must fail with a clear error after two faults instead of crashing
+every new worker forever.
+
+    .venv/bin/python -m pytest -q tests/server/test_engine_fault.py
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.engine.device_faults import device_usable, is_device_fault
+from treadle.errors import InvalidRequestError
+from treadle.launch import ServerProcess
+from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, MAX_FAULTS
+from treadle.worker.flight_recorder import FlightRecorder, read_running
+
+TINY = "treadle/tiny-llama"
+POISON = [13, 13, 13, 13, 13]
+SEGFAULT = [14, 14, 14, 14, 14]
+
+SITECUSTOMIZE = f"""
+import sys
+
+if "worker" in sys.argv:  # the engine workers only; the API process stays as it is
+    import torch
+
+    from treadle.engine import engine, sample
+
+    POISON, SEGFAULT = {POISON}, {SEGFAULT}
+    broken = []
+
+    def check(prompts):
+        if any(list(p)[: len(SEGFAULT)] == SEGFAULT for p in prompts):
+            import ctypes
+
+            ctypes.string_at(0)  # a real segfault: no Python code runs after it
+        if broken or any(list(p)[: len(POISON)] == POISON for p in prompts):
+            broken.append(True)  # the device is gone for this process
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    real_fb, real_sample, real_add = (
+        engine.Engine.forward_backward, engine.Engine.sample, sample.DecodeBatch.add
+    )
+
+    def forward_backward(self, batches, forward_only=False):
+        check([d.tokens for b in batches for d in b.data])
+        return real_fb(self, batches, forward_only)
+
+    def sample_all(self, requests):
+        check([r.prompt for r in requests])
+        return real_sample(self, requests)
+
+    def add(self, requests, stream=None):
+        check([r.prompt for r in requests])
+        return real_add(self, requests, stream)
+
+    engine.Engine.forward_backward = forward_backward
+    engine.Engine.sample = sample_all
+    sample.DecodeBatch.add = add
+
+    import os
+
+    if os.environ.get("RANK") == "1":  # a worker group: the fault is on rank 1's device only
+        from treadle.engine import dist_train
+
+        real_group_fb, real_pass = dist_train.forward_backward, dist_train._pass
+
+        def group_forward_backward(eng, comm, batches, forward_only):
+            if any(list(d.tokens)[: len(POISON)] == POISON for b in batches for d in b.data):
+                broken.append(True)
+            return real_group_fb(eng, comm, batches, forward_only)
+
+        def rank_pass(eng, local, *args):
+            check([])
+            return real_pass(eng, local, *args)
+
+        dist_train.forward_backward = group_forward_backward
+        dist_train._pass = rank_pass
+"""
+
+
+def test_which_errors_are_device_faults():
+    illegal = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    assert is_device_fault(illegal, "cuda:0")
+    assert not is_device_fault(torch.OutOfMemoryError("CUDA out of memory"), "cuda:0")
+    assert not is_device_fault(InvalidRequestError("data[0]: bad"), "cuda:0")  # never probed
+    assert not is_device_fault(RuntimeError("shape mismatch"), "cpu")  # a CPU stays usable
+    assert device_usable("cpu") and device_usable(None)
+
+
+def test_the_flight_recorder_outlives_its_process(tmp_path):
+    path = tmp_path / "w.running"
+    script = (
+        "import os, signal, sys\n"
+        "from treadle.worker.flight_recorder import FlightRecorder\n"
+        "r = FlightRecorder(sys.argv[1])\n"
+        "r.record(['a-long-request-id', 'b', 'c'])\n"
+        "r.record(['x', 'y'])  # shorter than the last: only these\n"
+        "os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], check=False)
+    assert done.returncode == -signal.SIGSEGV
+    assert read_running(path) == ["x", "y"]
+    recorder = FlightRecorder(path)  # a new worker starts from nothing
+    assert read_running(path) == []
+    recorder.record(["z"])
+    recorder.clear()
+    assert read_running(path) == [] and read_running(tmp_path / "none") == []
+
+
+def datums(first: list[int], n: int = 9, rows: int = 1) -> list[Datum]:
+    seq = first + np.random.default_rng(len(first)).integers(20, 400, n).tolist()
+    datum = Datum(
+        model_input=ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+    )
+    return [datum] * rows
+
+
+def start(tiny_model_dir, tmp_path, monkeypatch, **config) -> ServerProcess:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    config = {"snapshot_every_steps": 2, **config}
+    return ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=config).start()
+
+
+@pytest.fixture
+def server(tiny_model_dir, tmp_path, monkeypatch):
+    s = start(tiny_model_dir, tmp_path, monkeypatch)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def group_server(tiny_model_dir, tmp_path, monkeypatch):
+    s = start(tiny_model_dir, tmp_path, monkeypatch, devices=2)
+    yield s
+    s.stop()
+
+
+def fault_exits(server: ServerProcess) -> int:
+    """How many times the supervisor saw a worker exit after an engine fault."""
+    line = rf"treadle\.supervisor: .* exited with code {EXIT_ENGINE_FAULT};"
+    return len(re.findall(line, server.log()))
+
+
+def faults_reported(server: ServerProcess) -> list[int]:
+    """How many ops were running at each engine fault a worker reported."""
+    return [int(n) for n in re.findall(r"engine fault with (\d+) ops running", server.log())]
+
+
+def crashes_seen(server: ServerProcess) -> list[int]:
+    """How many ops each crashed worker's flight recorder held, as the supervisor read it."""
+    line = r"treadle\.supervisor: .* crashed \(SIGSEGV\) running (\d+) ops"
+    return [int(n) for n in re.findall(line, server.log())]
+
+
+@pytest.mark.parametrize(
+    "where, poison, error",
+    [
+        ("worker", POISON, "illegal memory access"),
+        ("group", POISON, "rank 1: CUDA error: an illegal memory access"),
+        ("worker", SEGFAULT, "SIGSEGV"),
+    ],
+    ids=["device-fault", "device-fault-on-rank-1", "segfault"],
+)
+def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
+    request, where, poison, error
+):
+    """The hostile request shares one engine call with its neighbour's, faults the device
+    (or segfaults the worker) twice, and is refused; the neighbour's request gets its
+    right result. `group`: two gloo ranks, the fault on rank 1's device; rank 0 reports it.
+    `segfault`: nothing is reported; the supervisor reads the crashed worker's flight
+    recorder."""
+    server = request.getfixturevalue("server" if where == "worker" else "group_server")
+    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
+    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
+    victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
+    hostile = hostile_svc.create_lora_training_client(TINY, rank=4, seed=2)
+    clean = datums([5, 6, 7])
+    victim.forward_backward(clean, "cross_entropy").result()
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result()
+    expected = victim.forward(clean, "cross_entropy").result()
+    workers = server.children()
+
+    # a third session's long call keeps the engine busy while both arrive, so that the next
+    # round runs them as one engine call (the fault's first report names both)
+    filler = victim_svc.create_lora_training_client(TINY, rank=4, seed=3)
+    long_call = filler.forward_backward(datums([3, 4], n=120) * 32, "cross_entropy")
+    time.sleep(0.05)
+    bad = hostile.forward_backward(datums(poison, rows=2), "cross_entropy")  # a row per rank
+    good = victim.forward_backward(clean, "cross_entropy")
+    with pytest.raises(Exception, match="not run again") as caught:
+        bad.result(timeout=180)
+    assert error in str(caught.value)
+    got = good.result(timeout=180)
+    for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+
+    long_call.result(timeout=180)
+    # the shared call, then the hostile op alone, in a fresh process each time; then refused
+    if poison == SEGFAULT:
+        assert crashes_seen(server) == [2, 1] and not faults_reported(server)
+    else:
+        assert faults_reported(server) == [2, 1]
+    if where == "worker" and poison == POISON:  # a group's exit status is torchrun's
+        assert fault_exits(server) == MAX_FAULTS
+    assert server.children() and server.children() != workers
+    # both sessions carry on: the refused request changed nothing, the victim's step counts
+    hostile.forward_backward(datums([8, 9]), "cross_entropy").result(timeout=60)
+    hostile.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+    assert victim.save_state("after").result(timeout=60).path
+    victim_svc.close()
+    hostile_svc.close()
+
+
+def test_a_poisoned_prompt_fails_alone_and_the_decode_batch_it_joined_finishes(server):
+    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
+    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
+    victim = victim_svc.create_sampling_client(base_model=TINY)
+    hostile = hostile_svc.create_sampling_client(base_model=TINY)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    expected = victim.sample([5, 6, 7], 1, params).result(timeout=60).sequences[0].tokens
+
+    long_one = victim.sample([5, 6, 7], 1, params)  # decoding when the poison joins
+    bad = hostile.sample(POISON, 1, SamplingParams(max_tokens=4))
+    with pytest.raises(Exception, match="not run again"):
+        bad.result(timeout=180)
+    assert long_one.result(timeout=180).sequences[0].tokens == expected
+    assert fault_exits(server) == MAX_FAULTS
+    assert hostile.sample([8, 9], 1, params).result(timeout=60).sequences[0].tokens
+    victim_svc.close()
+    hostile_svc.close()

@@ -248,6 +248,7 @@ def test_a_poisoned_prompt_fails_alone_and_the_decode_batch_it_joined_finishes(s
     with pytest.raises(Exception, match="not run again"):
         bad.result(timeout=180)
     assert long_one.result(timeout=180).sequences[0].tokens == expected
+    assert faults_reported(server) == [2, 1]  # the prefill beside it, then the poison alone
     assert fault_exits(server) == MAX_FAULTS
     assert hostile.sample([8, 9], 1, params).result(timeout=60).sequences[0].tokens
     victim_svc.close()

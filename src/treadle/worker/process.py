@@ -101,7 +101,7 @@ class Worker:
             park=park_limits(config),
             on_progress=self._progress,
             on_fault=self._fault,
-            on_running=self._running if self.recorder is not None else None,
+            on_running=self._running,
         )
         self.channel = Channel(
             zmq.DEALER,
@@ -223,7 +223,8 @@ class Worker:
         self.channel.send([Kind.OUTCOMES.encode(), body])
 
     def _running(self, ops: list[Op]) -> None:
-        self.recorder.record([op.request_id for op in ops])  # type: ignore[union-attr]
+        if self.recorder is not None:  # started by a supervisor, which reads it after a crash
+            self.recorder.record([op.request_id for op in ops])
 
     def _progress(self, items: list[Progress]) -> None:
         self._send(Kind.PROGRESS, messages.ProgressMsg(items))

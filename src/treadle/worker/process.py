@@ -44,7 +44,7 @@ from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, EngineFault
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Op, Outcome, Progress
+from treadle.server.runtime.ops import Outcome, Progress
 from treadle.server.runtime.remote import TOKEN_ENV
 from treadle.server.storage.database import Store
 from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder
@@ -101,7 +101,7 @@ class Worker:
             park=park_limits(config),
             on_progress=self._progress,
             on_fault=self._fault,
-            on_running=self._running,
+            on_running=self.recorder.record if self.recorder is not None else None,
         )
         self.channel = Channel(
             zmq.DEALER,
@@ -222,10 +222,6 @@ class Worker:
         body = messages.encode_outcomes(outcomes, self.loop.positions())
         self.channel.send([Kind.OUTCOMES.encode(), body])
 
-    def _running(self, ops: list[Op]) -> None:
-        if self.recorder is not None:  # started by a supervisor, which reads it after a crash
-            self.recorder.record([op.request_id for op in ops])
-
     def _progress(self, items: list[Progress]) -> None:
         self._send(Kind.PROGRESS, messages.ProgressMsg(items))
 
@@ -243,7 +239,8 @@ class Worker:
             self.recorder.clear()  # said here: the supervisor must not blame them again
         log.critical("engine fault with %d ops running: %s; exiting", len(ids), fault)
         body = messages.encode(messages.Fault(ids, str(fault)))
-        self.channel.send_and_close([Kind.FAULT.encode(), body], linger_s=2.0)
+        self.channel.send([Kind.FAULT.encode(), body])
+        self.channel.stop(timeout_s=1.0, linger_s=2.0)
         logging.shutdown()
         os._exit(EXIT_ENGINE_FAULT)
 

@@ -72,7 +72,9 @@ class Channel:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0, linger_s: float = 0.0) -> None:
+        """Close the socket; messages sent and not yet gone get up to linger_s to leave (a
+        process's last word before it exits)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -80,22 +82,9 @@ class Channel:
         self._thread.join(timeout_s)
         with self._lock:  # no sender is inside send() now, and none will write the pipe
             self._closed = True
-            self.socket.close(0)
+            self.socket.close(int(linger_s * 1000))
             os.close(self._wake_r)
             os.close(self._wake_w)
-        self.ctx.term()
-
-    def send_and_close(self, frames: list[bytes], linger_s: float) -> None:
-        """A last message before the process exits: sent, then the socket closed, waiting up
-        to linger_s for the message to leave (the IO thread receives nothing more)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._stopping.set()
-            self.socket.send_multipart(frames, copy=False)
-            self.socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
-            self.socket.close()
         self.ctx.term()
 
     def send(self, frames: list[bytes]) -> None:

@@ -17,8 +17,8 @@ If the loop itself dies (an error outside any one op), every queued op fails wit
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
 Given `on_fault` (a worker process), an engine fault (treadle.server.runtime.faults) or
 the loop's death goes there instead, and the worker exits: the API runs the acknowledged
-ops again on a new one. `on_running` hears the ops of each engine call before it starts
-(and [] when it ends), for a crash that leaves no time to say (treadle.worker.
+ops again on a new one. `on_running` hears the request ids of each engine call before it
+starts (and [] when it ends), for a crash that leaves no time to say (treadle.worker.
 flight_recorder).
 
 Durability: when a model's snapshot is due (treadle.server.runtime.deferred), its state is
@@ -89,11 +89,11 @@ class EngineLoop(NamedControls):
         park: ParkLimits = DEFAULT_PARK_LIMITS,
         on_progress: OnProgress | None = None,
         on_fault: Callable[[EngineFault], None] | None = None,
-        on_running: Callable[[list[Op]], None] | None = None,
+        on_running: Callable[[list[str]], None] | None = None,
     ):
         self.facts = facts
         self._on_fault = on_fault
-        self._on_running = on_running or (lambda ops: None)
+        self._on_running = on_running
         self._on_progress = on_progress
         self.park = park
         self.executor = executor
@@ -322,10 +322,14 @@ class EngineLoop(NamedControls):
                 return yield_decode(self.queues, self._runnable_samples_locked(), self._room())
 
         progress = self._progress if self._on_progress is not None else None
-        self._on_running(self.executor.decoding())
+        self._running(self.executor.decoding())
         outcomes = self.executor.decode(until, progress)  # type: ignore[arg-type]
-        self._on_running([])
+        self._running([])
         self._finish(outcomes)
+
+    def _running(self, ops: list[Op]) -> None:
+        if self._on_running is not None:
+            self._on_running([op.request_id for op in ops])
 
     def _progress(self, items: list[Progress]) -> None:
         if self._replay:
@@ -370,7 +374,7 @@ class EngineLoop(NamedControls):
 
     def _execute(self, step: Step) -> None:
         started = time.time()  # the console's request timeline (Outcome.timed)
-        self._on_running(step.ops)
+        self._running(step.ops)
         try:
             if step.kind == "train":
                 outcomes = self.executor.run_train(step.ops, step.forward_only)
@@ -383,7 +387,7 @@ class EngineLoop(NamedControls):
         except Exception as e:  # the executor catches per op; this is a last resort
             log.exception("step %s failed", step.kind)
             outcomes = [Outcome.failed(op.request_id, e) for op in step.ops]
-        self._on_running([])
+        self._running([])
         ready = []
         for outcome in outcomes:
             if isinstance(outcome, Deferred):

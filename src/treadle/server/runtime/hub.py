@@ -50,9 +50,7 @@ class WorkerHub:
     def send(self, identity: bytes, kind: Kind, body: bytes) -> None:
         self.channel.send([identity, kind.encode(), body])
 
-    def worker_exited(
-        self, model: str, replica: int, reason: str, running: list[str] | None = None
-    ) -> None:
+    def worker_exited(self, model: str, replica: int, reason: str, running: list[str]) -> None:
         """The supervisor saw the process end: no need to wait for the heartbeat to lapse.
         `running`: the ops a crashed worker was running (blamed as a fault's are)."""
         group = self.engines.get(model)

@@ -7,13 +7,15 @@ and from then on every engine call of that process fails the same way, as a pois
 context does; one that begins with SEGFAULT really segfaults the worker. Another tenant's
 request that shared the engine call with it must still succeed, with the right numbers,
 and the hostile request must fail with a clear error after two faults instead of crashing
-every new worker forever.
+every new worker forever. One that begins with LATENT runs well until the test breaks the
+device (a file beside the hook): then the run of it that restores its model faults.
 
     .venv/bin/python -m pytest -q tests/server/test_engine_fault.py
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -35,8 +37,10 @@ from treadle.worker.flight_recorder import FlightRecorder, read_running
 TINY = "treadle/tiny-llama"
 POISON = [13, 13, 13, 13, 13]
 SEGFAULT = [14, 14, 14, 14, 14]
+LATENT = [15, 15, 15, 15, 15]
 
 SITECUSTOMIZE = f"""
+import os
 import sys
 
 if "worker" in sys.argv:  # the engine workers only; the API process stays as it is
@@ -44,15 +48,20 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
 
     from treadle.engine import engine, sample
 
-    POISON, SEGFAULT = {POISON}, {SEGFAULT}
+    POISON, SEGFAULT, LATENT = {POISON}, {SEGFAULT}, {LATENT}
+    BROKEN = os.path.join(os.path.dirname(__file__), "device-broken")
     broken = []
 
+    def starts(prompts, head):
+        return any(list(p)[: len(head)] == head for p in prompts)
+
     def check(prompts):
-        if any(list(p)[: len(SEGFAULT)] == SEGFAULT for p in prompts):
+        if starts(prompts, SEGFAULT):
             import ctypes
 
             ctypes.string_at(0)  # a real segfault: no Python code runs after it
-        if broken or any(list(p)[: len(POISON)] == POISON for p in prompts):
+        latent = os.path.exists(BROKEN) and starts(prompts, LATENT)
+        if broken or latent or starts(prompts, POISON):
             broken.append(True)  # the device is gone for this process
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
@@ -76,15 +85,13 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
     engine.Engine.sample = sample_all
     sample.DecodeBatch.add = add
 
-    import os
-
     if os.environ.get("RANK") == "1":  # a worker group: the fault is on rank 1's device only
         from treadle.engine import dist_train
 
         real_group_fb, real_pass = dist_train.forward_backward, dist_train._pass
 
         def group_forward_backward(eng, comm, batches, forward_only):
-            if any(list(d.tokens)[: len(POISON)] == POISON for b in batches for d in b.data):
+            if starts([d.tokens for b in batches for d in b.data], POISON):
                 broken.append(True)
             return real_group_fb(eng, comm, batches, forward_only)
 
@@ -251,5 +258,44 @@ def test_a_poisoned_prompt_fails_alone_and_the_decode_batch_it_joined_finishes(s
     assert faults_reported(server) == [2, 1]  # the prefill beside it, then the poison alone
     assert fault_exits(server) == MAX_FAULTS
     assert hostile.sample([8, 9], 1, params).result(timeout=60).sequences[0].tokens
+    victim_svc.close()
+    hostile_svc.close()
+
+
+def test_a_replay_that_keeps_faulting_gives_up_its_model_alone(server, tmp_path):
+    """An acknowledged op that ran well faults the device each time it runs again to restore
+    its model after a crash: that one model is given up, with a clear error to its pending
+    requests, instead of every new worker faulting forever; the other session is restored
+    exactly (its own replays beside the faulting one) and goes on."""
+    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
+    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
+    victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
+    hostile = hostile_svc.create_lora_training_client(TINY, rank=4, seed=2)
+    clean = datums([5, 6, 7])
+    victim.forward_backward(clean, "cross_entropy").result()
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result()
+    hostile.forward_backward(datums(LATENT), "cross_entropy").result()  # runs well, once
+    victim.forward_backward(clean, "cross_entropy").result()  # accumulated: replayed too
+    expected = victim.forward(clean, "cross_entropy").result()
+
+    (tmp_path / "hook" / "device-broken").touch()
+    for pid in server.children():
+        os.kill(pid, signal.SIGKILL)
+    pending = hostile.forward(datums([8, 9]), "cross_entropy")  # acknowledged while down
+    with pytest.raises(Exception, match="could not be restored after a restart") as caught:
+        pending.result(timeout=180)
+    assert "which ran before and is run again to restore its state" in str(caught.value)
+    assert "illegal memory access" in str(caught.value)
+
+    got = victim.forward(clean, "cross_entropy").result(timeout=180)
+    for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+    reports = faults_reported(server)
+    assert len(reports) == MAX_FAULTS and reports[-1] == 1  # the last: the replay alone
+    assert fault_exits(server) == MAX_FAULTS
+    with pytest.raises(Exception, match="unloaded"):
+        hostile.forward_backward(datums([8, 9]), "cross_entropy").result(timeout=60)
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+    assert victim.save_state("after").result(timeout=60).path
     victim_svc.close()
     hostile_svc.close()

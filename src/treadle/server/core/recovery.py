@@ -113,11 +113,20 @@ class Recovery:
         if model_ids is not None:
             models = [m for m in models if m.model_id in set(model_ids)]
         for row in models:
+            if (why := engine.unrestorable(row.model_id)) is not None:
+                held = {op.request_id for op in _unfinished(engine)}  # the engine fails those
+                await self._give_up(engine, row, why, held)
+                continue
             try:
                 await self._restore_model(engine, row, skip)
             except Exception as e:  # one model that cannot come back must not keep the rest
                 log.exception("could not restore model %s", row.model_id)
-                await self._give_up(engine, row, e)
+                reason = (
+                    f"model {row.model_id!r} could not be restored after a restart "
+                    f"({type(e).__name__}: {e}); create a training client from its last "
+                    "checkpoint"
+                )
+                await self._give_up(engine, row, reason)
         await self._restore_samplers(engine)
         samples = []
         if engine.name not in self._samples_restored:  # once per run: later, engines resend
@@ -202,16 +211,21 @@ class Recovery:
             except Exception:
                 log.warning("could not load sampler %s again", row.sampling_session_id)
 
-    async def _give_up(self, engine: EngineClient, row: ModelRow, error: Exception) -> None:
-        reason = (
-            f"model {row.model_id!r} could not be restored after a restart "
-            f"({type(error).__name__}: {error}); create a training client from its last "
-            "checkpoint"
-        )
+    async def _give_up(
+        self,
+        engine: EngineClient,
+        row: ModelRow,
+        reason: str,
+        held: AbstractSet[str] = frozenset(),
+    ) -> None:
+        """A model that cannot come back: fail its pending requests (but those in `held`,
+        which the engine fails) and free it."""
         with self.state.store.engine.connect() as conn:
             rows = queries.model_ops_after(conn, row.model_id, -1)
         failed = [r["request_id"] for r in rows if r["status"] == "pending"]
-        self.state.futures.finish([Outcome.failed(rid, TreadleError(reason)) for rid in failed])
+        failed = [rid for rid in failed if rid not in held]
+        if failed:
+            self.state.futures.finish([Outcome.failed(rid, TreadleError(reason)) for rid in failed])
         await self.state.models.on_session_ended([(row.model_id, row.base_model)], reason)
 
     # ---- a state snapshot was written ----

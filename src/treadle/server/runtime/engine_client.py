@@ -104,6 +104,11 @@ class EngineClient(ABC):
     def is_live(self, ref: str) -> bool:
         """Whether a sampler's engine id (a snapshot or a loaded checkpoint) is in memory."""
 
+    def unrestorable(self, model_id: str) -> str | None:
+        """Why a model must not be restored here (replaying its op log kept faulting the
+        engine: treadle.server.runtime.faults), or None."""
+        return None
+
     @abstractmethod
     async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
         """Load a saved checkpoint as sampler weights under `ref`."""

@@ -14,6 +14,9 @@ another session's train call, not in the shared decode batch). If it was the cau
 fault names it alone. An op running at MAX_FAULTS faults, each in a fresh process, fails
 with DeviceFaultError and is not run again. So a request that crashes the device
 deterministically (a hostile tenant's, or a bug's) costs the others two restarts, not a loop.
+A replay (an op that ran before, run again to restore its model after a crash) cannot be
+refused, as its result was given: at MAX_FAULTS its model is unrestorable, and recovery
+gives that model up alone (its pending requests fail with the reason).
 
 The engine loop dying of any other error in a worker takes the same way out, blaming no op.
 An engine on a thread of the API process (`--engine-processes false`) has no process to

@@ -12,7 +12,10 @@ recovery), then the unfinished ops are sent again, in their order. A future neve
 if no worker returns within `give_up_after_s`, the engine's unfinished ops fail with
 EngineDeadError. A worker whose engine faulted (treadle.server.runtime.faults) says which
 ops were running before it exits: they run alone on the next worker, and one that was
-running at MAX_FAULTS faults fails with DeviceFaultError instead of running again.
+running at MAX_FAULTS faults fails with DeviceFaultError instead of running again. A
+replay (an op that ran before, re-run to restore its model) cannot be refused that way: its
+model is then `unrestorable`, and recovery gives that one model up instead of the worker
+restarting forever.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ class RemoteEngine(NamedControls):
         self._live: set[str] = set()
         self._sent: dict[str, Op] = {}  # every op handed to this engine and not finished
         self._outbox: list[Op] = []  # ops waiting for a worker
+        # a replay is made anew at each restore: its faults are kept here, by request id
+        self._replay_faults: dict[str, int] = {}
+        self._unrestorable: dict[str, str] = {}  # model → why its replays cannot run
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self.first_hello = asyncio.Event()
@@ -158,6 +164,8 @@ class RemoteEngine(NamedControls):
                     return
                 if seqs is not None:
                     seqs.pending.add(op.seq_id)
+            if op.replay:
+                op.faults = self._replay_faults.get(op.request_id, op.faults)
             self._sent[op.request_id] = op
             if not self._ready and not op.replay:
                 self._outbox.append(op)
@@ -168,6 +176,10 @@ class RemoteEngine(NamedControls):
     def is_live(self, ref: str) -> bool:
         with self._lock:
             return ref in self._live
+
+    def unrestorable(self, model_id: str) -> str | None:
+        with self._lock:
+            return self._unrestorable.get(model_id)
 
     async def unload_model(self, model_id: str, reason: str) -> None:
         with self._lock:
@@ -307,11 +319,23 @@ class RemoteEngine(NamedControls):
         with self._lock:
             self._ready, self._down_since = True, None
             identity = self._identity
-            outbox, self._outbox = self._outbox, []
+            # the ops of a model the restore gave up fail here, with the reason
+            lost = [op for op in self._sent.values() if op.model_id in self._unrestorable]
+            for op in lost:
+                del self._sent[op.request_id]
+            failed = [
+                Outcome.failed(op.request_id, DeviceFaultError(self._unrestorable[op.model_id]))
+                for op in lost
+                if not op.replay
+            ]
+            outbox = [op for op in self._outbox if op.model_id not in self._unrestorable]
+            self._outbox = []
             waiting = {op.request_id for op in outbox}
             resend = [
                 op for op in self._sent.values() if not op.replay and op.request_id not in waiting
             ]
+        if failed:
+            self._outcomes_later(failed)
         # in their order: what was in flight when the worker went away, then what waited
         for op in sorted(resend, key=_order) + outbox:
             self._send_op(identity, op)
@@ -332,7 +356,9 @@ class RemoteEngine(NamedControls):
                     continue  # failed already (the engine was down too long)
                 if op.kind != OpKind.SAMPLE and (seqs := self._seqs.get(op.model_id)):
                     seqs.done(op.seq_id)
-                if not op.replay:
+                if op.replay:
+                    self._replay_faults.pop(o.request_id, None)
+                else:
                     heard.append(o)
         if heard:
             self._on_outcomes(heard)
@@ -340,7 +366,8 @@ class RemoteEngine(NamedControls):
     def blame(self, request_ids: list[str], error: str) -> None:
         """The worker's engine faulted (or the worker crashed) with these ops running: each
         runs alone next time; one at its MAX_FAULTS-th fault is refused instead (in its
-        seq_id's place, so that its model's later ops go on)."""
+        seq_id's place, so that its model's later ops go on). A replay at its MAX_FAULTS-th
+        makes its model unrestorable: the other models' restore goes on without it."""
         given_up = []
         with self._lock:
             for rid in request_ids:
@@ -348,13 +375,25 @@ class RemoteEngine(NamedControls):
                 if op is None:
                     continue
                 op.faults += 1
-                if op.faults < MAX_FAULTS or op.replay:
-                    continue  # a replay's outcome was recorded: it must run to restore
-                refusal = DeviceFaultError(
-                    f"this request was running each time the engine of {self.name!r} failed, "
-                    f"{op.faults} times, each in a new worker process, so it is not run "
-                    f"again; the last failure: {error}"
+                why = (
+                    f"was running each time the engine of {self.name!r} failed, {op.faults} "
+                    "times, each in a new worker process"
                 )
+                last = f"the last failure: {error}"
+                if op.replay:  # its outcome was recorded: the model is restored with it or not
+                    self._replay_faults[rid] = op.faults
+                    if op.faults >= MAX_FAULTS and op.model_id not in self._unrestorable:
+                        self._unrestorable[op.model_id] = (
+                            f"model {op.model_id!r} could not be restored after a restart: "
+                            f"request {rid} ({op.kind}, seq_id {op.seq_id}), which ran before "
+                            f"and is run again to restore its state, {why}; {last}; create a "
+                            "training client from its last checkpoint"
+                        )
+                        log.error("%s", self._unrestorable[op.model_id])
+                    continue
+                if op.faults < MAX_FAULTS:
+                    continue
+                refusal = DeviceFaultError(f"this request {why}, so it is not run again; {last}")
                 log.error("request %s (%s): %s", rid, op.kind, refusal)
                 if op.kind == OpKind.SAMPLE:
                     del self._sent[rid]

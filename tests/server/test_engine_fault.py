@@ -32,7 +32,12 @@ from treadle.engine.device_faults import device_usable, is_device_fault
 from treadle.errors import InvalidRequestError
 from treadle.launch import ServerProcess
 from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, MAX_FAULTS
-from treadle.worker.flight_recorder import FlightRecorder, read_running
+from treadle.worker.flight_recorder import (
+    FlightRecorder,
+    clear_crash_logs,
+    read_crash,
+    read_running,
+)
 
 TINY = "treadle/tiny-llama"
 POISON = [13, 13, 13, 13, 13]
@@ -91,13 +96,18 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
         real_group_fb, real_pass = dist_train.forward_backward, dist_train._pass
 
         def group_forward_backward(eng, comm, batches, forward_only):
-            if starts([d.tokens for b in batches for d in b.data], POISON):
+            tokens = [d.tokens for b in batches for d in b.data]
+            if starts(tokens, POISON):
                 broken.append(True)
+            if starts(tokens, SEGFAULT):
+                crashing.append(True)
             return real_group_fb(eng, comm, batches, forward_only)
 
         def rank_pass(eng, local, *args):
-            check([])
+            check([SEGFAULT] if crashing else [])
             return real_pass(eng, local, *args)
+
+        crashing = []
 
         dist_train.forward_backward = group_forward_backward
         dist_train._pass = rank_pass
@@ -117,7 +127,9 @@ def test_the_flight_recorder_outlives_its_process(tmp_path):
     path = tmp_path / "w.running"
     script = (
         "import os, signal, sys\n"
-        "from treadle.worker.flight_recorder import FlightRecorder\n"
+        "from treadle.worker.flight_recorder import FlightRecorder, keep_crash_log\n"
+        "os.environ['TREADLE_FLIGHT_RECORDER'] = sys.argv[1]\n"
+        "keep_crash_log(0)\n"
         "r = FlightRecorder(sys.argv[1])\n"
         "r.record(['a-long-request-id', 'b', 'c'])\n"
         "r.record(['x', 'y'])  # shorter than the last: only these\n"
@@ -126,6 +138,11 @@ def test_the_flight_recorder_outlives_its_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(path)], check=False)
     assert done.returncode == -signal.SIGSEGV
     assert read_running(path) == ["x", "y"]
+    rank, log = read_crash(path, ranks=2)  # which rank, and its stack
+    assert rank == 0 and log.startswith("Fatal Python error: Segmentation fault")
+    assert "in <module>" in log
+    clear_crash_logs(path, ranks=2)
+    assert read_crash(path, ranks=2) is None
     recorder = FlightRecorder(path)  # a new worker starts from nothing
     assert read_running(path) == []
     recorder.record(["z"])
@@ -178,7 +195,7 @@ def faults_reported(server: ServerProcess) -> list[int]:
 
 def crashes_seen(server: ServerProcess) -> list[int]:
     """How many ops each crashed worker's flight recorder held, as the supervisor read it."""
-    line = r"treadle\.supervisor: .* crashed \(SIGSEGV\) running (\d+) ops"
+    line = r"treadle\.supervisor: .* crashed \((?:SIGSEGV|rank 1: Segmentation fault)\) running (\d+) ops"
     return [int(n) for n in re.findall(line, server.log())]
 
 
@@ -188,8 +205,9 @@ def crashes_seen(server: ServerProcess) -> list[int]:
         ("worker", POISON, "illegal memory access"),
         ("group", POISON, "rank 1: CUDA error: an illegal memory access"),
         ("worker", SEGFAULT, "SIGSEGV"),
+        ("group", SEGFAULT, "rank 1: Segmentation fault"),
     ],
-    ids=["device-fault", "device-fault-on-rank-1", "segfault"],
+    ids=["device-fault", "device-fault-on-rank-1", "segfault", "segfault-on-rank-1"],
 )
 def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
     request, where, poison, error

@@ -10,10 +10,17 @@ is refused after MAX_FAULTS crashes instead of crashing every new worker.
 
 Layout: a 4-byte little-endian length, then that many bytes of newline-separated ids. The
 ids are written before the length, so a crash between the two leaves the previous record.
+
+Beside it, each process of a worker (every rank of a group) keeps a crash log: Python's
+faulthandler writes the fatal signal and every thread's stack there when the process
+crashes. It tells the supervisor that a crash ended a group, whose torchrun exit status
+says nothing of how its ranks died, and which rank crashed, and gives the operator the
+stack. A SIGKILL leaves it empty: a kill from outside blames nothing.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
 import struct
@@ -53,3 +60,34 @@ def read_running(path: str | Path) -> list[str]:
     (n,) = _LEN.unpack_from(raw)
     ids = raw[_LEN.size : _LEN.size + n].decode(errors="replace")
     return [i for i in ids.split("\n") if i]
+
+
+def crash_log_path(recorder_path: str | Path, rank: int) -> Path:
+    return Path(f"{recorder_path}.rank{rank}.crash")
+
+
+def keep_crash_log(rank: int) -> None:
+    """This process's fatal signals (and its stacks) go to its crash log, if its worker has
+    a flight recorder."""
+    recorder = os.environ.get(FLIGHT_RECORDER_ENV)
+    if recorder:
+        # kept open for the process's life: faulthandler writes to its descriptor
+        faulthandler.enable(open(crash_log_path(recorder, rank), "w"), all_threads=True)  # noqa: SIM115
+
+
+def read_crash(recorder_path: str | Path, ranks: int) -> tuple[int, str] | None:
+    """(rank, its crash log) of the first rank whose process crashed, or None."""
+    for rank in range(ranks):
+        try:
+            text = crash_log_path(recorder_path, rank).read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text:
+            return rank, text
+    return None
+
+
+def clear_crash_logs(recorder_path: str | Path, ranks: int) -> None:
+    """Before a worker starts: no old crash can be read as its own."""
+    for rank in range(ranks):
+        crash_log_path(recorder_path, rank).unlink(missing_ok=True)

@@ -47,7 +47,7 @@ from treadle.server.runtime.messages import Kind
 from treadle.server.runtime.ops import Outcome, Progress
 from treadle.server.runtime.remote import TOKEN_ENV
 from treadle.server.storage.database import Store
-from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder
+from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder, keep_crash_log
 
 log = logging.getLogger("treadle.worker")
 
@@ -260,6 +260,7 @@ def run_worker(
     (name, path), *more = config.models.items()
     if more:
         raise SystemExit("treadle worker: serves exactly one --model NAME=PATH")
+    keep_crash_log(int(os.environ.get("RANK", "0")))
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
     if in_group():
         run_group(config, address, token, replica)

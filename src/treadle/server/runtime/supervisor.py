@@ -34,7 +34,12 @@ from pathlib import Path
 from treadle.server.config import ServerConfig
 from treadle.server.runtime.placement import plan_gpus
 from treadle.server.runtime.remote import TOKEN_ENV
-from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, read_running
+from treadle.worker.flight_recorder import (
+    FLIGHT_RECORDER_ENV,
+    clear_crash_logs,
+    read_crash,
+    read_running,
+)
 
 log = logging.getLogger("treadle.supervisor")
 
@@ -106,20 +111,33 @@ class Supervisor:
             started = time.monotonic()
             proc = self._spawn(name, path, replica)
             self.procs[key] = proc
-            code = proc.wait()
+            proc.wait()
             if self._stopping.is_set():
                 return
-            reason = f"worker process {proc.pid} exited with code {code}"
-            running: list[str] = []
-            if code < 0 and -code in CRASH_SIGNALS and self.config.devices == 1:
-                running = read_running(self.recorder_path(name, replica))
-                crash = signal.Signals(-code).name
-                reason = f"worker process {proc.pid} crashed ({crash}) running {len(running)} ops"
+            reason, running = self._why_exited(proc, name, replica)
             log.error("%s (replica %d): %s; starting a new one", name, replica, reason)
             self.on_exit(name, replica, reason, running)
             self.restarts[key] = self.restarts.get(key, 0) + 1
             backoff = 0.5 if time.monotonic() - started > 60 else min(backoff * 2, MAX_BACKOFF_S)
             self._stopping.wait(backoff)
+
+    def _why_exited(self, proc: subprocess.Popen, name: str, replica: int) -> tuple[str, list[str]]:
+        """How a worker ended, and the ops it was running if it crashed. A group's exit
+        status does not say how its ranks died: their crash logs do (the ops are in rank
+        0's recorder, which a broken group's rank 0 leaves as it was)."""
+        code, recorder = proc.returncode, self.recorder_path(name, replica)
+        crash = read_crash(recorder, self.config.devices)
+        if crash is not None:
+            log.error("%s (replica %d): rank %d crashed:\n%s", name, replica, *crash)
+        if self.config.devices == 1 and code < 0 and -code in CRASH_SIGNALS:
+            what = signal.Signals(-code).name
+        elif self.config.devices > 1 and crash is not None:
+            rank, text = crash
+            what = f"rank {rank}: {text.splitlines()[0].removeprefix('Fatal Python error: ')}"
+        else:
+            return f"worker process {proc.pid} exited with code {code}", []
+        running = read_running(recorder)
+        return f"worker process {proc.pid} crashed ({what}) running {len(running)} ops", running
 
     def _spawn(self, name: str, path: str, replica: int) -> subprocess.Popen:
         data = Path(self.config.data_dir)
@@ -135,6 +153,7 @@ class Supervisor:
         cmd += ["-m", "treadle.cli", "worker", "--config", str(config_file)]
         cmd += ["--connect", self.address, "--replica", str(replica)]
         env = self.environment(name, replica)
+        clear_crash_logs(self.recorder_path(name, replica), n)
         gpus = f" on GPUs {env['CUDA_VISIBLE_DEVICES']}" if (name, replica) in self.gpus else ""
         log.info("starting the worker of %s%s%s", name, f" ({n} ranks)" if n > 1 else "", gpus)
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)

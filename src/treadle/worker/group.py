@@ -16,7 +16,9 @@ How a group ends:
 - a rank dies (kill -9, a crash, a lost machine): the collective the others were in, or
   their next one, fails, and they exit at once with GROUP_BROKEN without reporting any
   outcome; torchrun ends whatever rank is left and exits; the supervisor (or the operator's
-  own restart policy) starts a new group, which the API restores like one worker process;
+  own restart policy) starts a new group, which the API restores like one worker process
+  (a rank that crashed left its crash log, by which the supervisor blames the ops rank 0
+  was running: treadle.worker.flight_recorder);
 - torchrun itself is killed: every rank dies with it (PR_SET_PDEATHSIG).
 """
 

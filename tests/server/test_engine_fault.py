@@ -7,7 +7,9 @@ and from then on every engine call of that process fails the same way, as a pois
 context does; one that begins with SEGFAULT really segfaults the worker. Another tenant's
 request that shared the engine call with it must still succeed, with the right numbers,
 and the hostile request must fail with a clear error after two faults instead of crashing
-every new worker forever. One that begins with LATENT runs well until the test breaks the
+every new worker forever. One that begins with OOM allocates host memory until the
+kernel's OOM killer kills the worker (in a memory cgroup of its own that the test makes).
+One that begins with LATENT runs well until the test breaks the
 device (a file beside the hook): then the run of it that restores its model faults.
 
     .venv/bin/python -m pytest -q tests/server/test_engine_fault.py
@@ -31,6 +33,7 @@ from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.engine.device_faults import device_usable, is_device_fault
 from treadle.errors import InvalidRequestError
 from treadle.launch import ServerProcess
+from treadle.sandbox.cgroup import RunCgroup, find_cgroups
 from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, MAX_FAULTS
 from treadle.worker.flight_recorder import (
     FlightRecorder,
@@ -43,17 +46,25 @@ TINY = "treadle/tiny-llama"
 POISON = [13, 13, 13, 13, 13]
 SEGFAULT = [14, 14, 14, 14, 14]
 LATENT = [15, 15, 15, 15, 15]
+OOM = [16, 16, 16, 16, 16]
+MEMORY_LIMIT = 3 << 30  # the test server's memory cgroup: its API and worker fit in 1.5 GB
+CGROUP_ENV = "TREADLE_TEST_CGROUP_PROCS"  # where the server process joins it
 
 SITECUSTOMIZE = f"""
 import os
 import sys
+
+if "serve" in sys.argv and os.environ.get("{CGROUP_ENV}"):  # the server and its workers
+    for procs in os.environ["{CGROUP_ENV}"].split(os.pathsep):
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
 
 if "worker" in sys.argv:  # the engine workers only; the API process stays as it is
     import torch
 
     from treadle.engine import engine, sample
 
-    POISON, SEGFAULT, LATENT = {POISON}, {SEGFAULT}, {LATENT}
+    POISON, SEGFAULT, LATENT, OOM = {POISON}, {SEGFAULT}, {LATENT}, {OOM}
     BROKEN = os.path.join(os.path.dirname(__file__), "device-broken")
     broken = []
 
@@ -65,6 +76,9 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
             import ctypes
 
             ctypes.string_at(0)  # a real segfault: no Python code runs after it
+        if starts(prompts, OOM):
+            hog = [bytearray(b"x") * (64 << 20) for _ in range(256)]  # written: resident
+            raise RuntimeError(f"{{len(hog) * 64}} MB and no OOM kill: no memory limit?")
         latent = os.path.exists(BROKEN) and starts(prompts, LATENT)
         if broken or latent or starts(prompts, POISON):
             broken.append(True)  # the device is gone for this process
@@ -99,12 +113,11 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
             tokens = [d.tokens for b in batches for d in b.data]
             if starts(tokens, POISON):
                 broken.append(True)
-            if starts(tokens, SEGFAULT):
-                crashing.append(True)
+            crashing.extend(head for head in (SEGFAULT, OOM) if starts(tokens, head))
             return real_group_fb(eng, comm, batches, forward_only)
 
         def rank_pass(eng, local, *args):
-            check([SEGFAULT] if crashing else [])
+            check(crashing[-1:])
             return real_pass(eng, local, *args)
 
         crashing = []
@@ -176,6 +189,27 @@ def server(tiny_model_dir, tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def limited_server(tiny_model_dir, tmp_path, monkeypatch):
+    """→ start(devices): a server (its worker, or group of ranks) in a memory cgroup of
+    MEMORY_LIMIT."""
+    roots = find_cgroups()
+    if roots is None or roots.memory is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a writable cgroupfs)")
+    cgroup = RunCgroup(roots, MEMORY_LIMIT, max_pids=1 << 20)
+    monkeypatch.setenv(CGROUP_ENV, os.pathsep.join(str(d / "cgroup.procs") for d in cgroup.dirs))
+    started = []
+
+    def start_limited(devices: int) -> ServerProcess:
+        started.append(start(tiny_model_dir, tmp_path, monkeypatch, devices=devices))
+        return started[-1]
+
+    yield start_limited
+    for s in started:
+        s.stop()
+    cgroup.remove()
+
+
+@pytest.fixture
 def group_server(tiny_model_dir, tmp_path, monkeypatch):
     s = start(tiny_model_dir, tmp_path, monkeypatch, devices=2)
     yield s
@@ -195,7 +229,8 @@ def faults_reported(server: ServerProcess) -> list[int]:
 
 def crashes_seen(server: ServerProcess) -> list[int]:
     """How many ops each crashed worker's flight recorder held, as the supervisor read it."""
-    line = r"treadle\.supervisor: .* crashed \((?:SIGSEGV|rank 1: Segmentation fault)\) running (\d+) ops"
+    how = r"crashed \((?:SIGSEGV|rank 1: Segmentation fault)\)|was killed by the kernel's OOM"
+    line = rf"treadle\.supervisor: .* (?:{how}).* running (\d+) ops"
     return [int(n) for n in re.findall(line, server.log())]
 
 
@@ -206,8 +241,17 @@ def crashes_seen(server: ServerProcess) -> list[int]:
         ("group", POISON, "rank 1: CUDA error: an illegal memory access"),
         ("worker", SEGFAULT, "SIGSEGV"),
         ("group", SEGFAULT, "rank 1: Segmentation fault"),
+        ("limited", OOM, "OOM killer"),
+        ("limited-group", OOM, "OOM killer"),
     ],
-    ids=["device-fault", "device-fault-on-rank-1", "segfault", "segfault-on-rank-1"],
+    ids=[
+        "device-fault",
+        "device-fault-on-rank-1",
+        "segfault",
+        "segfault-on-rank-1",
+        "oom-kill",
+        "oom-kill-on-rank-1",
+    ],
 )
 def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
     request, where, poison, error
@@ -216,8 +260,12 @@ def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
     (or segfaults the worker) twice, and is refused; the neighbour's request gets its
     right result. `group`: two gloo ranks, the fault on rank 1's device; rank 0 reports it.
     `segfault`: nothing is reported; the supervisor reads the crashed worker's flight
-    recorder."""
-    server = request.getfixturevalue("server" if where == "worker" else "group_server")
+    recorder. `oom-kill`: the kernel's OOM killer kills the worker (or rank 1) in the
+    server's memory cgroup; the supervisor sees that cgroup's oom_kill count grow."""
+    if where.startswith("limited"):
+        server = request.getfixturevalue("limited_server")(2 if "group" in where else 1)
+    else:
+        server = request.getfixturevalue("server" if where == "worker" else "group_server")
     victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
     hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
     victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
@@ -244,7 +292,7 @@ def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
 
     long_call.result(timeout=180)
     # the shared call, then the hostile op alone, in a fresh process each time; then refused
-    if poison == SEGFAULT:
+    if poison in (SEGFAULT, OOM):
         assert crashes_seen(server) == [2, 1] and not faults_reported(server)
     else:
         assert faults_reported(server) == [2, 1]

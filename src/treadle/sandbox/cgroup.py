@@ -68,6 +68,41 @@ def find_cgroups(
     return CgroupRoots(1, dirs.get("memory"), dirs.get("pids"))
 
 
+def oom_kills(
+    folder: Path, files: tuple[str, ...] = ("memory.events", "memory.oom_control")
+) -> int | None:
+    """How many processes of a memory cgroup the OOM killer has killed (the `oom_kill` line
+    of the first of `files` it has), or None."""
+    for file in files:
+        try:
+            lines = (folder / file).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value or 0)
+    return None
+
+
+def own_oom_kills() -> int | None:
+    """How many processes of this process's own memory cgroup (not of cgroups below it) the
+    OOM killer has killed: cgroup v2's memory.events.local, else v1's memory.oom_control.
+    None where neither can be read."""
+    try:
+        mounts = _cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+        paths = _own_cgroups(Path("/proc/self/cgroup").read_text())
+    except OSError:
+        return None
+    for ctl, files in (("", ("memory.events.local",)), ("memory", ("memory.oom_control",))):
+        if ctl in mounts and ctl in paths:
+            mountpoint, mount_root = mounts[ctl]
+            folder = Path(mountpoint) / os.path.relpath(paths[ctl], mount_root)
+            if (count := oom_kills(folder, files)) is not None:
+                return count
+    return None
+
+
 def _cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
     """controller ("" for cgroup2) → (mount point, root of the mount)."""
     found: dict[str, tuple[str, str]] = {}
@@ -155,17 +190,7 @@ class RunCgroup:
 
     def oom_killed(self) -> bool:
         """Whether the kernel killed a process of the run for the memory limit."""
-        for folder in self.dirs:
-            for file in ("memory.events", "memory.oom_control"):
-                try:
-                    lines = (folder / file).read_text().splitlines()
-                except OSError:
-                    continue
-                for line in lines:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and int(value or 0) > 0:
-                        return True
-        return False
+        return any(oom_kills(folder) for folder in self.dirs)
 
     def pids(self) -> set[int]:
         found: set[int] = set()

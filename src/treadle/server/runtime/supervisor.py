@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from treadle.sandbox.cgroup import own_oom_kills
 from treadle.server.config import ServerConfig
 from treadle.server.runtime.placement import plan_gpus
 from treadle.server.runtime.remote import TOKEN_ENV
@@ -109,35 +110,45 @@ class Supervisor:
         key = f"{name}#{replica}"
         while not self._stopping.is_set():
             started = time.monotonic()
+            oom_kills = own_oom_kills()
             proc = self._spawn(name, path, replica)
             self.procs[key] = proc
             proc.wait()
             if self._stopping.is_set():
                 return
-            reason, running = self._why_exited(proc, name, replica)
+            oom = oom_kills is not None and (own_oom_kills() or 0) > oom_kills
+            reason, running = self._why_exited(proc, name, replica, oom)
             log.error("%s (replica %d): %s; starting a new one", name, replica, reason)
             self.on_exit(name, replica, reason, running)
             self.restarts[key] = self.restarts.get(key, 0) + 1
             backoff = 0.5 if time.monotonic() - started > 60 else min(backoff * 2, MAX_BACKOFF_S)
             self._stopping.wait(backoff)
 
-    def _why_exited(self, proc: subprocess.Popen, name: str, replica: int) -> tuple[str, list[str]]:
-        """How a worker ended, and the ops it was running if it crashed. A group's exit
-        status does not say how its ranks died: their crash logs do (the ops are in rank
-        0's recorder, which a broken group's rank 0 leaves as it was)."""
-        code, recorder = proc.returncode, self.recorder_path(name, replica)
+    def _why_exited(
+        self, proc: subprocess.Popen, name: str, replica: int, oom: bool
+    ) -> tuple[str, list[str]]:
+        """How a worker ended, and the ops it was running if it crashed or the kernel's OOM
+        killer killed it (`oom`: it killed a process of our memory cgroup meanwhile); any
+        other SIGKILL came from outside and blames nothing. A group's exit status does not
+        say how its ranks died: their crash logs do (the ops are in rank 0's recorder,
+        which a broken group's rank 0 leaves as it was)."""
+        code, group = proc.returncode, self.config.devices > 1
+        recorder = self.recorder_path(name, replica)
         crash = read_crash(recorder, self.config.devices)
         if crash is not None:
             log.error("%s (replica %d): rank %d crashed:\n%s", name, replica, *crash)
-        if self.config.devices == 1 and code < 0 and -code in CRASH_SIGNALS:
-            what = signal.Signals(-code).name
-        elif self.config.devices > 1 and crash is not None:
+        if not group and code < 0 and -code in CRASH_SIGNALS:
+            how = f"crashed ({signal.Signals(-code).name})"
+        elif group and crash is not None:
             rank, text = crash
-            what = f"rank {rank}: {text.splitlines()[0].removeprefix('Fatal Python error: ')}"
+            fatal = text.splitlines()[0].removeprefix("Fatal Python error: ")
+            how = f"crashed (rank {rank}: {fatal})"
+        elif oom and (group or code == -signal.SIGKILL):
+            how = "was killed by the kernel's OOM killer (out of memory)"
         else:
             return f"worker process {proc.pid} exited with code {code}", []
         running = read_running(recorder)
-        return f"worker process {proc.pid} crashed ({what}) running {len(running)} ops", running
+        return f"worker process {proc.pid} {how} running {len(running)} ops", running
 
     def _spawn(self, name: str, path: str, replica: int) -> subprocess.Popen:
         data = Path(self.config.data_dir)

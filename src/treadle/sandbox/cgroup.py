@@ -7,7 +7,8 @@ from the server's own cgroup up, that hands both down and that we may write), el
 `memory` and `pids` hierarchies (a child of the server's own cgroup, so the host's limits on the
 server still hold). `RunCgroup` makes one per run, and kills and removes it afterwards. Without
 write access (not root, a read-only cgroupfs) there is none, and the caller falls back to
-rlimits alone.
+rlimits alone. `own_oom_kills` reads how many processes of the caller's own memory cgroup
+the OOM killer has killed (the server's supervisor: was a dead worker's SIGKILL an OOM kill?).
 """
 
 from __future__ import annotations
@@ -87,14 +88,18 @@ def oom_kills(
 
 def own_oom_kills() -> int | None:
     """How many processes of this process's own memory cgroup (not of cgroups below it) the
-    OOM killer has killed: cgroup v2's memory.events.local, else v1's memory.oom_control.
-    None where neither can be read."""
+    OOM killer has killed: cgroup v2's memory.events.local (memory.events on kernels before
+    5.7, which counts those below too), else v1's memory.oom_control. None where neither
+    can be read."""
     try:
         mounts = _cgroup_mounts(Path("/proc/self/mountinfo").read_text())
         paths = _own_cgroups(Path("/proc/self/cgroup").read_text())
     except OSError:
         return None
-    for ctl, files in (("", ("memory.events.local",)), ("memory", ("memory.oom_control",))):
+    for ctl, files in (
+        ("", ("memory.events.local", "memory.events")),
+        ("memory", ("memory.oom_control",)),
+    ):
         if ctl in mounts and ctl in paths:
             mountpoint, mount_root = mounts[ctl]
             folder = Path(mountpoint) / os.path.relpath(paths[ctl], mount_root)

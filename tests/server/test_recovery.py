@@ -354,3 +354,50 @@ def test_a_session_moves_to_another_replica_when_its_group_is_lost(
     assert steps_in_state(tmp_path / "data", path) == STEPS
     for got, want in zip(lps, reference[0], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_samplers_of_saved_checkpoints_come_back_after_a_kill(tiny_model_dir, tmp_path):
+    """A sampling client made from a saved checkpoint (its tinker path, or its model package
+    version GROUP:N) samples the same tokens after the server is killed and started again;
+    one of an encrypted version cannot (the server never keeps the key) and says so."""
+    from treadle.errors import NotFoundError
+    from treadle.server.storage.encryption import new_key
+
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data").start()
+    prompt, params = ModelInput.from_ints([5, 6, 7]), SamplingParams(max_tokens=6, temperature=0)
+    plain = ServiceClient(base_url=server.url, model_package_group="plain")
+    secret = ServiceClient(
+        base_url=server.url, model_package_group="secret", encryption_key=new_key()
+    )
+    target = Datum(
+        model_input=ModelInput.from_ints([5, 6, 7, 9, 9, 9]),
+        loss_fn_inputs={"target_tokens": [6, 7, 9, 9, 9, 9], "weights": [1.0] * 6},
+    )
+    samplers = {}
+    for name, svc in (("plain", plain), ("secret", secret)):
+        tc = svc.create_lora_training_client(TINY, rank=4, seed=1)
+        for _ in range(8):
+            tc.forward_backward([target], "cross_entropy").result()
+            tc.optim_step(AdamParams(learning_rate=5e-2)).result()
+        saved = tc.save_weights_for_sampler("s1").result()
+        samplers[name] = svc.create_sampling_client(f"{name}:1")
+        if name == "plain":
+            samplers["tinker path"] = svc.create_sampling_client(model_path=saved.path)
+    base = plain.create_sampling_client(base_model=TINY)
+
+    def tokens(sampler) -> list[int]:
+        return sampler.sample(prompt, 1, params).result(timeout=120).sequences[0].tokens
+
+    before = {name: tokens(s) for name, s in samplers.items()}
+    assert before["plain"] != tokens(base)  # the adapter's own answer, not the base model's
+    server.kill()
+    server.start()
+    try:
+        assert tokens(samplers["plain"]) == before["plain"]
+        assert tokens(samplers["tinker path"]) == before["plain"]
+        with pytest.raises(NotFoundError, match="could not be loaded again after a restart"):
+            tokens(samplers["secret"])
+    finally:
+        plain.close()
+        secret.close()
+        server.stop()

@@ -37,8 +37,9 @@ from typing import Any
 
 from sqlalchemy import select
 
-from treadle.errors import ErrorInfo, TreadleError
+from treadle.errors import ErrorInfo, NotFoundError, TreadleError
 from treadle.server.core.state import ServerState
+from treadle.server.registry import sources
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import decode_payload
@@ -203,13 +204,33 @@ class Recovery:
                 continue
             if state.engines.require(engine.name).is_live(row.engine_ref):
                 continue  # held by another replica
-            ckpt = state.store.get(CheckpointRow, row.model_path)
-            if ckpt is None or not Path(ckpt.dir).is_dir():
-                continue  # a version fetched from S3 or decrypted: its folder is gone
             try:
-                await engine.load_sampler(row.engine_ref, ckpt.checkpoint_type, ckpt.dir)
-            except Exception:
-                log.warning("could not load sampler %s again", row.sampling_session_id)
+                await self._load_sampler(engine, row)
+            except Exception as e:  # noqa: BLE001 - that sampler answers 404 with the reason
+                why = f"its weights could not be loaded again after a restart ({e})"
+                state.samplers.not_restored[row.sampling_session_id] = why
+                log.warning("sampler %s: %s", row.sampling_session_id, why)
+
+    async def _load_sampler(self, engine: EngineClient, row: SamplingSessionRow) -> None:
+        """A sampler's checkpoint loaded again: its folder on this server, else its model
+        package version fetched again (from S3, say). An encrypted one cannot be: the key
+        came with the request that made the sampler, and the server never keeps it."""
+        assert row.model_path is not None and row.engine_ref is not None
+        ckpt = self.state.store.get(CheckpointRow, row.model_path)
+        if ckpt is not None and Path(ckpt.dir).is_dir():
+            await engine.load_sampler(row.engine_ref, ckpt.checkpoint_type, ckpt.dir)
+            return
+        root = sources.packages_root(self.state.config)
+        source = await asyncio.to_thread(
+            sources.load_source, self.state.store, root, row.tenant_id, row.model_path, None, False
+        )
+        if source is None:
+            raise NotFoundError(f"its checkpoint {row.model_path!r} is gone")
+        try:
+            await engine.load_sampler(row.engine_ref, source.checkpoint_type, source.dir)
+        finally:
+            if source.cleanup:
+                shutil.rmtree(source.dir, ignore_errors=True)
 
     async def _give_up(
         self,

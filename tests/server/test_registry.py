@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from treadle import AdamParams, Datum, ModelInput, ServiceClient
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.client.errors import APIError, BadRequestError, NotFoundError
 from treadle.client.transport import RetryPolicy
 from treadle.launch import ServerProcess
@@ -420,4 +420,20 @@ def test_cli_lists_shows_downloads_retains(env, tmp_path, capsys):
     main([*common, "delete", "clig:3"])
     assert svc.checkpoints.list_versions("clig") == []
     shutil.rmtree(tmp_path / "dl")
+    svc.close()
+
+
+def test_a_sampler_of_an_s3_version_comes_back_after_a_kill(env):
+    """Its version's files are fetched from S3 again when the server restarts (last in this
+    module: it kills the module's server)."""
+    svc = client(env, model_package_group="s3-sampler", output_path=f"s3://{BUCKET}/sampler")
+    tc = svc.create_lora_training_client(TINY, rank=4, seed=1)
+    train(tc, 3)
+    tc.save_weights_for_sampler("s1").result(120)
+    sampler = svc.create_sampling_client("s3-sampler:1")
+    prompt, params = ModelInput.from_ints([5, 6, 7]), SamplingParams(max_tokens=6, temperature=0)
+    before = sampler.sample(prompt, 1, params).result(120).sequences[0].tokens
+    env["server"].kill()
+    env["server"].start()
+    assert sampler.sample(prompt, 1, params).result(120).sequences[0].tokens == before
     svc.close()

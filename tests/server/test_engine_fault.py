@@ -222,6 +222,15 @@ def group_server(tiny_model_dir, tmp_path, monkeypatch):
     s.stop()
 
 
+def two_tenants(server: ServerProcess) -> tuple:
+    """(victim's ServiceClient, hostile's, the victim's training client, the hostile's)."""
+    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
+    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
+    victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
+    hostile = hostile_svc.create_lora_training_client(TINY, rank=4, seed=2)
+    return victim_svc, hostile_svc, victim, hostile
+
+
 def fault_exits(server: ServerProcess) -> int:
     """How many times the supervisor saw a worker exit after an engine fault."""
     line = rf"treadle\.supervisor: .* exited with code {EXIT_ENGINE_FAULT};"
@@ -272,10 +281,7 @@ def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
         server = request.getfixturevalue("limited_server")(2 if "group" in where else 1)
     else:
         server = request.getfixturevalue("server" if where == "worker" else "group_server")
-    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
-    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
-    victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
-    hostile = hostile_svc.create_lora_training_client(TINY, rank=4, seed=2)
+    victim_svc, hostile_svc, victim, hostile = two_tenants(server)
     clean = datums([5, 6, 7])
     victim.forward_backward(clean, "cross_entropy").result()
     victim.optim_step(AdamParams(learning_rate=1e-2)).result()
@@ -339,10 +345,7 @@ def test_a_replay_that_keeps_faulting_gives_up_its_model_alone(server, tmp_path)
     its model after a crash: that one model is given up, with a clear error to its pending
     requests, instead of every new worker faulting forever; the other session is restored
     exactly (its own replays beside the faulting one) and goes on."""
-    victim_svc = ServiceClient(base_url=server.url, api_key="tml-victim")
-    hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
-    victim = victim_svc.create_lora_training_client(TINY, rank=4, seed=1)
-    hostile = hostile_svc.create_lora_training_client(TINY, rank=4, seed=2)
+    victim_svc, hostile_svc, victim, hostile = two_tenants(server)
     clean = datums([5, 6, 7])
     victim.forward_backward(clean, "cross_entropy").result()
     victim.optim_step(AdamParams(learning_rate=1e-2)).result()

@@ -14,8 +14,11 @@ one worker would be. On GPUs each group gets GPUs of its own while there are eno
 A worker that crashed (killed by a signal of its own making: a segfault, an abort, a bus
 error) leaves in its flight recorder (treadle.worker.flight_recorder) the ops it was
 running; they go with the exit to the hub, which blames them as it blames the ops of a
-reported engine fault. A SIGKILL is someone else's doing (an operator, the OOM killer), and
-a group's exit status is torchrun's, which does not say how its rank died: neither blames.
+reported engine fault. A group's exit status is torchrun's, which does not say how its
+rank died: the ranks' crash logs do. A SIGKILL is someone else's doing (an operator) and
+blames nothing, unless the kernel's OOM killer sent it (our memory cgroup's oom_kill count
+grew while the worker ran): a request that needs more memory than there is would otherwise
+kill every new worker.
 """
 
 from __future__ import annotations

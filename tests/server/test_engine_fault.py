@@ -231,6 +231,16 @@ def two_tenants(server: ServerProcess) -> tuple:
     return victim_svc, hostile_svc, victim, hostile
 
 
+def wait_running(server: ServerProcess, timeout_s: float = 60) -> None:
+    """Until the worker's engine runs some call (its flight recorder holds an op)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(read_running(p) for p in server.data_dir.glob("worker-*.running")):
+            return
+        time.sleep(0.001)
+    raise TimeoutError("the engine ran nothing")
+
+
 def fault_exits(server: ServerProcess) -> int:
     """How many times the supervisor saw a worker exit after an engine fault."""
     line = rf"treadle\.supervisor: .* exited with code {EXIT_ENGINE_FAULT};"
@@ -325,10 +335,11 @@ def test_a_poisoned_prompt_fails_alone_and_the_decode_batch_it_joined_finishes(s
     hostile_svc = ServiceClient(base_url=server.url, api_key="tml-hostile")
     victim = victim_svc.create_sampling_client(base_model=TINY)
     hostile = hostile_svc.create_sampling_client(base_model=TINY)
-    params = SamplingParams(max_tokens=48, temperature=0.0)
+    params = SamplingParams(max_tokens=160, temperature=0.0)
     expected = victim.sample([5, 6, 7], 1, params).result(timeout=60).sequences[0].tokens
 
     long_one = victim.sample([5, 6, 7], 1, params)  # decoding when the poison joins
+    wait_running(server)
     bad = hostile.sample(POISON, 1, SamplingParams(max_tokens=4))
     with pytest.raises(Exception, match="not run again"):
         bad.result(timeout=180)

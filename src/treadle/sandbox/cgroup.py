@@ -61,7 +61,7 @@ def find_cgroups(
     for ctl in ("memory", "pids"):
         if ctl in mounts and ctl in paths:
             mountpoint, mount_root = mounts[ctl]
-            folder = Path(root + mountpoint) / os.path.relpath(paths[ctl], mount_root)
+            folder = _folder(root + mountpoint, mount_root, paths[ctl])
             if (folder / "cgroup.procs").exists() and os.access(folder, os.W_OK):
                 dirs[ctl] = folder
     if not dirs:
@@ -101,9 +101,7 @@ def own_oom_kills() -> int | None:
         ("memory", ("memory.oom_control",)),
     ):
         if ctl in mounts and ctl in paths:
-            mountpoint, mount_root = mounts[ctl]
-            folder = Path(mountpoint) / os.path.relpath(paths[ctl], mount_root)
-            if (count := oom_kills(folder, files)) is not None:
+            if (count := oom_kills(_folder(*mounts[ctl], paths[ctl]), files)) is not None:
                 return count
     return None
 
@@ -139,12 +137,17 @@ def _own_cgroups(text: str) -> dict[str, str]:
     return paths
 
 
+def _folder(mountpoint: str, mount_root: str, own: str) -> Path:
+    """Where a cgroup path (as /proc/self/cgroup names it) is in a mounted hierarchy."""
+    return Path(mountpoint) / os.path.relpath(own, mount_root)
+
+
 def _unescape(path: str) -> str:
     return path.replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
 
 
 def _v2_parent(mountpoint: str, mount_root: str, own: str) -> CgroupRoots | None:
-    here = Path(mountpoint) / os.path.relpath(own, mount_root)
+    here = _folder(mountpoint, mount_root, own)
     top = Path(mountpoint)
     while True:
         try:

@@ -76,15 +76,21 @@ def keep_crash_log(rank: int) -> None:
 
 
 def read_crash(recorder_path: str | Path, ranks: int) -> tuple[int, str] | None:
-    """(rank, its crash log) of the first rank whose process crashed, or None."""
+    """(rank, its crash log) of the rank that crashed first, or None. First by the log's
+    time: a rank's crash can make the others abort too (NCCL's watchdog does)."""
+    crashed = []
     for rank in range(ranks):
+        path = crash_log_path(recorder_path, rank)
         try:
-            text = crash_log_path(recorder_path, rank).read_text(errors="replace").strip()
+            text, when = path.read_text(errors="replace").strip(), path.stat().st_mtime_ns
         except OSError:
             continue
         if text:
-            return rank, text
-    return None
+            crashed.append((when, rank, text))
+    if not crashed:
+        return None
+    _, rank, text = min(crashed)
+    return rank, text
 
 
 def clear_crash_logs(recorder_path: str | Path, ranks: int) -> None:

@@ -208,7 +208,7 @@ class Recovery:
                 await self._load_sampler(engine, row)
             except Exception as e:  # noqa: BLE001 - that sampler answers 404 with the reason
                 why = f"its weights could not be loaded again after a restart ({e})"
-                state.samplers.not_restored[row.sampling_session_id] = why
+                state.samplers.not_restored(row.sampling_session_id, why)
                 log.warning("sampler %s: %s", row.sampling_session_id, why)
 
     async def _load_sampler(self, engine: EngineClient, row: SamplingSessionRow) -> None:

@@ -41,7 +41,7 @@ class Samplers:
         self.engines = engines
         self.checkpoints = checkpoints
         self._rows: dict[str, SamplingSessionRow] = {}
-        self.not_restored: dict[str, str] = {}  # sampler → why recovery could not load it
+        self._not_restored: dict[str, str] = {}  # sampler → why recovery could not load it
 
     async def get(self, sampling_session_id: str) -> SamplingSessionRow:
         """The caller's sampling session (of this run or a previous one), else 404. Another
@@ -63,13 +63,17 @@ class Samplers:
             raise NotFoundError(str(e)) from e  # not 410: the tinker sampler retries it for hours
         engine = self.engines.get(row.base_model)
         if engine is None or (row.engine_ref is not None and not engine.is_live(row.engine_ref)):
-            why = self.not_restored.get(sampling_session_id) or (
+            why = self._not_restored.get(sampling_session_id) or (
                 "its weights were freed from memory (too many newer samplers of the same model)"
             )
             raise NotFoundError(
                 f"sampling_session_id {sampling_session_id!r}: {why}; make a new sampling client"
             )
         return row
+
+    def not_restored(self, sampling_session_id: str, why: str) -> None:
+        """Recovery could not load this sampler's weights again: its 404 says why."""
+        self._not_restored[sampling_session_id] = why
 
     def loaded_count(self, tenant_id: str) -> int:
         """Samplers of the tenant loaded from saved checkpoints (they hold adapters)."""

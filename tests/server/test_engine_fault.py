@@ -355,7 +355,9 @@ def test_a_replay_that_keeps_faulting_gives_up_its_model_alone(server, tmp_path)
     """An acknowledged op that ran well faults the device each time it runs again to restore
     its model after a crash: that one model is given up, with a clear error to its pending
     requests, instead of every new worker faulting forever; the other session is restored
-    exactly (its own replays beside the faulting one) and goes on."""
+    exactly (its own replays beside the faulting one) and goes on. The give-up is for good:
+    the model's later requests hear why, and a whole-server restart does not try its
+    restore again (two more worker faults, while every session of that base model waits)."""
     victim_svc, hostile_svc, victim, hostile = two_tenants(server)
     clean = datums([5, 6, 7])
     victim.forward_backward(clean, "cross_entropy").result()
@@ -379,9 +381,19 @@ def test_a_replay_that_keeps_faulting_gives_up_its_model_alone(server, tmp_path)
     reports = faults_reported(server)
     assert len(reports) == MAX_FAULTS and reports[-1] == 1  # the last: the replay alone
     assert fault_exits(server) == MAX_FAULTS
-    with pytest.raises(Exception, match="unloaded"):
+    with pytest.raises(Exception, match="could not be restored after a restart"):
         hostile.forward_backward(datums([8, 9]), "cross_entropy").result(timeout=60)
     victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
     assert victim.save_state("after").result(timeout=60).path
+    expected = victim.forward(clean, "cross_entropy").result()
+
+    server.kill()  # the whole server, the device still broken for LATENT
+    server.start()
+    got = victim.forward(clean, "cross_entropy").result(timeout=180)
+    for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+    with pytest.raises(Exception, match="which ran before and is run again to restore"):
+        hostile.forward(datums([8, 9]), "cross_entropy").result(timeout=60)
+    assert fault_exits(server) == MAX_FAULTS  # its restore was not tried again
     victim_svc.close()
     hostile_svc.close()

@@ -71,13 +71,14 @@ def steps_in_state(data_dir: Path, path: str) -> int:
     return json.loads(state.read_text())["step"]
 
 
-def wait_filed(data_dir: Path, n: int, timeout_s: float = 60) -> None:
-    """Until the server's database holds n training requests (each one acknowledged)."""
+def wait_filed(
+    data_dir: Path, n: int, timeout_s: float = 60, kinds: str = "('forward_backward', 'optim_step')"
+) -> None:
+    """Until the server's database holds n requests of these kinds (each one acknowledged)."""
     db = sqlite3.connect(data_dir / "treadle.db")
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            kinds = "('forward_backward', 'optim_step')"
             (filed,) = db.execute(f"SELECT count(*) FROM requests WHERE kind IN {kinds}").fetchone()
             if filed >= n:
                 return
@@ -284,6 +285,34 @@ def test_one_models_worker_dies_and_the_others_keep_serving(tiny_model_dir, tmp_
     finally:
         server.stop()
     assert "worker process" in server.log() and "exited" in server.log()
+
+
+def test_a_request_of_a_model_unloaded_before_a_crash_fails_after_the_restart(
+    tiny_model_dir, tmp_path
+):
+    """The crash falls between a model's unloading (its row says so) and the failure of a
+    request it held: after the restart that request fails with the reason; it does not
+    wait for a model that no start restores."""
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=FAST).start()
+    try:
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4)
+        tc.forward_backward(data(0), "cross_entropy").result()
+        for pid in server.children():
+            os.kill(pid, signal.SIGSTOP)  # the worker holds what it is sent, and runs nothing
+        held = tc.forward(PROBE, "cross_entropy")
+        wait_filed(tmp_path / "data", 1, kinds="('forward')")
+        server.kill()
+        db = sqlite3.connect(tmp_path / "data" / "treadle.db")
+        with db:  # as the unload's own write leaves it
+            db.execute("UPDATE models SET status = 'unloaded' WHERE model_id = ?", (tc.model_id,))
+        db.close()
+        server.start()
+        with pytest.raises(Exception, match="was unloaded before this ran"):
+            held.result(timeout=60)
+        svc.close()
+    finally:
+        server.stop()
 
 
 def test_a_future_never_hangs_on_an_engine_that_does_not_come_back(tiny_model_dir, tmp_path):

@@ -78,6 +78,8 @@ class TrainingModels:
             if self.notify is not None:  # made by another API process
                 row = self._adopt(row)
         if engine is None or not engine.has_model(model_id):
+            if row.unloaded_reason is not None:  # the server gave it up: say why
+                raise NotFoundError(f"{field}: {row.unloaded_reason}")
             why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
             raise NotFoundError(
                 f"{field}: model {model_id!r} {why}; create a training client from one of its "
@@ -241,12 +243,27 @@ class TrainingModels:
             except Exception:
                 log.exception("freeing model %s", model_id)
 
+    async def give_up(self, row: ModelRow, reason: str) -> None:
+        """The server cannot go on with this model (it could not be restored after a
+        restart): free it, and keep why in its row, so that every later request hears the
+        reason and no later start tries its restore again."""
+        self._rows.setdefault(row.model_id, row)
+        row.status, row.unloaded_reason = "unloaded", reason
+        unloaded = functools.partial(
+            _unloaded, model_id=row.model_id, notify=self.notify, reason=reason
+        )
+        self.journal.submit(unloaded, _log_error)
+        await self.on_session_ended([(row.model_id, row.base_model)], reason)
+
     async def unloaded_elsewhere(self, model_id: str) -> None:
         """Another API process unloaded a model: forget it (the engine host frees it)."""
         row = self._rows.get(model_id)
         if row is not None:
+            fresh = await asyncio.to_thread(self.store.get, ModelRow, model_id)
+            row.unloaded_reason = fresh.unloaded_reason if fresh is not None else None
             await self.on_session_ended(
-                [(model_id, row.base_model)], f"model {model_id!r} was unloaded"
+                [(model_id, row.base_model)],
+                row.unloaded_reason or f"model {model_id!r} was unloaded",
             )
 
     def find_run(self, run_or_model_id: str) -> ModelRow:
@@ -261,8 +278,10 @@ class TrainingModels:
         return rows[0]
 
 
-def _unloaded(conn: Connection, model_id: str, notify: Notify | None) -> None:
-    set_model_status(conn, model_id, "unloaded")
+def _unloaded(
+    conn: Connection, model_id: str, notify: Notify | None, reason: str | None = None
+) -> None:
+    set_model_status(conn, model_id, "unloaded", reason)
     if notify is not None:  # the other API processes forget it; the engine host frees it
         notify.model_unloaded(conn, model_id)
 

@@ -43,7 +43,7 @@ from treadle.server.registry import sources
 from treadle.server.runtime.engine_client import EngineClient
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import decode_payload
-from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Skip
+from treadle.server.runtime.ops import STATE_KINDS, ModelResult, Op, OpKind, Outcome, Skip
 from treadle.server.storage import queries
 from treadle.server.storage.rows import (
     CheckpointRow,
@@ -81,15 +81,26 @@ class Recovery:
             state.models.restore(row)
         with store.engine.connect() as conn:
             pending = queries.pending_requests(conn)
-        lost = []
+        gone = self._unloaded_models(
+            {r["model_id"] for r in pending} - {m.model_id for m in models}
+        )
+        lost, dropped = [], []
         for row in pending:
-            if row["no_payload"]:  # nothing to run it again from
-                lost.append(row["request_id"])
+            rid, model_id = row["request_id"], row["model_id"]
+            if model_id in gone:  # its model was freed before the crash: its row says so
+                if row["kind"] == OpKind.UNLOAD:  # that freeing itself, then: it happened
+                    dropped.append(Outcome.ok(rid, ModelResult(model_id, "unload_model")))
+                else:
+                    dropped.append(Outcome.failed(rid, gone[model_id]))
+            elif row["no_payload"]:  # nothing to run it again from
+                lost.append(rid)
             else:
                 state.futures.expect(row["request_id"], OpKind(row["kind"]), row["tenant_id"])
         if lost:
             error = TreadleError("the server restarted before this request ran; send it again")
-            state.futures.finish([Outcome.failed(rid, error) for rid in lost])
+            dropped += [Outcome.failed(rid, error) for rid in lost]
+        if dropped:
+            state.futures.finish(dropped)
         if sessions or pending:
             log.info(
                 "recovered %d sessions, %d models, %d unfinished requests",
@@ -97,6 +108,23 @@ class Recovery:
                 len(models),
                 len(pending) - len(lost),
             )
+
+    def _unloaded_models(self, model_ids: set[str | None]) -> dict[str, TreadleError]:
+        """Of these models, those unloaded (by their user, or given up by the server): → the
+        error their unfinished requests fail with."""
+        ids = [m for m in model_ids if m is not None]
+        if not ids:
+            return {}
+        with self.state.store.session() as s:
+            rows = s.scalars(
+                select(ModelRow).where(ModelRow.model_id.in_(ids) & (ModelRow.status == "unloaded"))
+            )
+            return {
+                row.model_id: TreadleError(
+                    row.unloaded_reason or f"model {row.model_id!r} was unloaded before this ran"
+                )
+                for row in rows
+            }
 
     # ---- an engine (re)starts: its models, samplers and unfinished work ----
     async def restore_engine(
@@ -240,14 +268,15 @@ class Recovery:
         held: AbstractSet[str] = frozenset(),
     ) -> None:
         """A model that cannot come back: fail its pending requests (but those in `held`,
-        which the engine fails) and free it."""
+        which the engine fails), then free it for good (the journal writes in order: once
+        its row says so, those failures are on disk too)."""
         with self.state.store.engine.connect() as conn:
             rows = queries.model_ops_after(conn, row.model_id, -1)
         failed = [r["request_id"] for r in rows if r["status"] == "pending"]
         failed = [rid for rid in failed if rid not in held]
         if failed:
             self.state.futures.finish([Outcome.failed(rid, TreadleError(reason)) for rid in failed])
-        await self.state.models.on_session_ended([(row.model_id, row.base_model)], reason)
+        await self.state.models.give_up(row, reason)
 
     # ---- a state snapshot was written ----
     def snapshot_written(self, snap: StateSnapshot) -> None:

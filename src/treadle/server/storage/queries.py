@@ -137,10 +137,13 @@ def session_holdings(conn: Connection, session_id: str) -> tuple[list, list]:
     return [tuple(r) for r in model_rows], [tuple(r) for r in sampler_rows]
 
 
-def set_model_status(conn: Connection, model_id: str, status: str) -> None:
-    """active | unloaded."""
+def set_model_status(
+    conn: Connection, model_id: str, status: str, reason: str | None = None
+) -> None:
+    """active | unloaded; `reason`: why the server unloaded it (ModelRow.unloaded_reason)."""
     models = ModelRow.__table__
-    conn.execute(update(models).where(models.c.model_id == model_id).values(status=status))
+    values = {"status": status, "unloaded_reason": reason}
+    conn.execute(update(models).where(models.c.model_id == model_id).values(values))
 
 
 # ---- listings of the RestClient ----
@@ -200,14 +203,13 @@ def pending_samples(conn: Connection, base_model: str) -> list[dict[str, Any]]:
 
 
 def pending_requests(conn: Connection) -> list[dict[str, Any]]:
-    """Every unfinished request: (request_id, kind, tenant_id, payload is null)."""
+    """Every unfinished request: (request_id, kind, tenant_id, model_id, payload is null)."""
     r = REQUESTS
-    stmt = select(r.c.request_id, r.c.kind, r.c.tenant_id, r.c.payload.is_(None)).where(
-        r.c.status == "pending"
-    )
+    columns = (r.c.request_id, r.c.kind, r.c.tenant_id, r.c.model_id, r.c.payload.is_(None))
+    stmt = select(*columns).where(r.c.status == "pending")
     return [
-        {"request_id": a, "kind": b, "tenant_id": c, "no_payload": bool(d)}
-        for a, b, c, d in conn.execute(stmt)
+        {"request_id": a, "kind": b, "tenant_id": c, "model_id": m, "no_payload": bool(d)}
+        for a, b, c, m, d in conn.execute(stmt)
     ]
 
 

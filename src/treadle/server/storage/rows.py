@@ -24,6 +24,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -71,6 +72,9 @@ class ModelRow(Base):
     lora_config: Mapped[dict] = mapped_column(JSON)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="active")  # active|unloaded
+    # why the server unloaded it (it could not be restored after a restart); None when the
+    # user or the session's end did: later requests hear it, later starts leave it alone
+    unloaded_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -106,7 +106,7 @@ class Recovery:
                 "recovered %d sessions, %d models, %d unfinished requests",
                 len(sessions),
                 len(models),
-                len(pending) - len(lost),
+                len(pending) - len(dropped),
             )
 
     def _unloaded_models(self, model_ids: set[str | None]) -> dict[str, TreadleError]:

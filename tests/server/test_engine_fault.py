@@ -10,7 +10,9 @@ and the hostile request must fail with a clear error after two faults instead of
 every new worker forever. One that begins with OOM allocates host memory until the
 kernel's OOM killer kills the worker (in a memory cgroup of its own that the test makes).
 One that begins with LATENT runs well until the test breaks the
-device (a file beside the hook): then the run of it that restores its model faults.
+device (a file beside the hook): then the run of it that restores its model faults. A
+model named in another file beside the hook crashes its worker (a segfault, or a device
+fault) while the worker loads the model's state to restore it.
 
     .venv/bin/python -m pytest -q tests/server/test_engine_fault.py
 """
@@ -104,6 +106,29 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
     engine.Engine.forward_backward = forward_backward
     engine.Engine.sample = sample_all
     sample.DecodeBatch.add = add
+
+    from treadle.server.runtime import live_weights
+
+    CRASH_RESTORE = os.path.join(os.path.dirname(__file__), "crash-restore")
+    real_restore = live_weights.LiveWeights.restore_model
+
+    def restore_model(self, model_id, state_dir, samplers):
+        # each line of the file beside the hook: "MODEL HOW", one crash of that model's restore
+        lines = open(CRASH_RESTORE).read().split("\\n") if os.path.exists(CRASH_RESTORE) else []
+        mine = [line for line in lines if line.startswith(model_id + " ")]
+        if mine:
+            lines.remove(mine[0])
+            with open(CRASH_RESTORE, "w") as f:
+                f.write("\\n".join(lines))
+            if mine[0].endswith(" segfault"):
+                import ctypes
+
+                ctypes.string_at(0)
+            broken.append(True)
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return real_restore(self, model_id, state_dir, samplers)
+
+    live_weights.LiveWeights.restore_model = restore_model
 
     if os.environ.get("RANK") == "1":  # a worker group: the fault is on rank 1's device only
         from treadle.engine import dist_train
@@ -395,5 +420,67 @@ def test_a_replay_that_keeps_faulting_gives_up_its_model_alone(server, tmp_path)
     with pytest.raises(Exception, match="which ran before and is run again to restore"):
         hostile.forward(datums([8, 9]), "cross_entropy").result(timeout=60)
     assert fault_exits(server) == MAX_FAULTS  # its restore was not tried again
+    victim_svc.close()
+    hostile_svc.close()
+
+
+def test_a_worker_that_dies_while_restoring_a_model_restores_it_on_the_next(server, tmp_path):
+    """A worker killed from outside, whose successor segfaults while loading one model's
+    state: that model is not given up (a crash of that worker was not its fault, as far
+    as anyone knows yet); the next worker restores it exactly, and the requests
+    acknowledged while the workers were down run."""
+    victim_svc, hostile_svc, victim, other = two_tenants(server)
+    clean = datums([5, 6, 7])
+    for client in (victim, other):
+        client.forward_backward(clean, "cross_entropy").result()
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    victim.forward_backward(clean, "cross_entropy").result()  # accumulated: replayed
+    expected = victim.forward(clean, "cross_entropy").result()
+
+    (tmp_path / "hook" / "crash-restore").write_text(f"{victim.model_id} segfault")
+    for pid in server.children():
+        os.kill(pid, signal.SIGKILL)  # from outside: blames nothing
+    pending = victim.forward(clean, "cross_entropy")  # acknowledged while down
+    got = pending.result(timeout=180)
+    for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+    assert crashes_seen(server) == [1]  # the restore, blamed once
+    assert (tmp_path / "hook" / "crash-restore").read_text() == ""
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+    other.forward_backward(clean, "cross_entropy").result(timeout=60)
+    assert victim.save_state("after").result(timeout=60).path
+    victim_svc.close()
+    hostile_svc.close()
+
+
+def test_a_model_whose_restore_keeps_crashing_its_worker_is_given_up_alone(server, tmp_path):
+    """One model's state crashes every worker that loads it (a device fault, then a
+    segfault): after MAX_FAULTS such crashes that model is given up with a clear reason,
+    instead of its workers restarting forever while every session of the base model
+    waits; the other session is restored exactly and goes on."""
+    victim_svc, hostile_svc, victim, hostile = two_tenants(server)
+    clean = datums([5, 6, 7])
+    for client in (victim, hostile):
+        client.forward_backward(clean, "cross_entropy").result()
+        client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    expected = victim.forward(clean, "cross_entropy").result()
+
+    crashes = [f"{hostile.model_id} {how}" for how in ("fault", "segfault", "fault")]
+    (tmp_path / "hook" / "crash-restore").write_text("\n".join(crashes))
+    for pid in server.children():
+        os.kill(pid, signal.SIGKILL)
+    pending = hostile.forward(clean, "cross_entropy")
+    with pytest.raises(Exception, match="could not be restored after a restart") as caught:
+        pending.result(timeout=180)
+    assert "while loading its state to restore it" in str(caught.value)
+    assert "Segmentation fault" in str(caught.value) or "SIGSEGV" in str(caught.value)
+    got = victim.forward(clean, "cross_entropy").result(timeout=180)
+    for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+    assert faults_reported(server) == [1] and crashes_seen(server) == [1]
+    assert (tmp_path / "hook" / "crash-restore").read_text() == crashes[2]  # not tried again
+    with pytest.raises(Exception, match="could not be restored after a restart"):
+        hostile.forward_backward(clean, "cross_entropy").result(timeout=60)
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
     victim_svc.close()
     hostile_svc.close()

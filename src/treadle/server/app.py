@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.errors import TreadleError
+from treadle.errors import EngineDeadError, TreadleError
 from treadle.server.api import errors as api_errors
 from treadle.server.api.console import data as console_data
 from treadle.server.api.console import pages as console_pages
@@ -263,7 +263,10 @@ class _ThreadEngines:
         self.recovery.load()
         for engine in state.engines.all():
             engine.start()
-            await self.recovery.restore_engine(engine)
+            try:
+                await self.recovery.restore_engine(engine)
+            except EngineDeadError:  # no process to restart here: its requests say so
+                log.exception("the engine of %s stopped while restoring its models", engine.name)
 
     async def stop(self) -> None:
         for engine in self.state.engines.all():

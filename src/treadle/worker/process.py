@@ -234,7 +234,7 @@ class Worker:
     def _fault(self, fault: EngineFault) -> None:
         """Engine thread: the engine cannot go on in this process. Say which ops were
         running, wait (briefly) for that to leave, and exit."""
-        ids = [op.request_id for op in fault.ops]
+        ids = fault.running_ids
         if self.recorder is not None:
             self.recorder.clear()  # said here: the supervisor must not blame them again
         log.critical("engine fault with %d ops running: %s; exiting", len(ids), fault)

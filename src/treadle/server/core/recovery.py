@@ -37,7 +37,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from treadle.errors import ErrorInfo, NotFoundError, TreadleError
+from treadle.errors import EngineDeadError, ErrorInfo, NotFoundError, TreadleError
 from treadle.server.core.state import ServerState
 from treadle.server.registry import sources
 from treadle.server.runtime.engine_client import EngineClient
@@ -148,6 +148,13 @@ class Recovery:
                 continue
             try:
                 await self._restore_model(engine, row, skip)
+            except EngineDeadError:
+                # the worker went away meanwhile: its successor restores again (and if the
+                # worker crashed loading this model, it counts against this model alone)
+                log.warning(
+                    "the engine of %s stopped while restoring %s", engine.name, row.model_id
+                )
+                raise
             except Exception as e:  # one model that cannot come back must not keep the rest
                 log.exception("could not restore model %s", row.model_id)
                 reason = (

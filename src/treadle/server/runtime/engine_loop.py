@@ -19,7 +19,8 @@ Given `on_fault` (a worker process), an engine fault (treadle.server.runtime.fau
 the loop's death goes there instead, and the worker exits: the API runs the acknowledged
 ops again on a new one. `on_running` hears the request ids of each engine call before it
 starts (and [] when it ends), for a crash that leaves no time to say (treadle.worker.
-flight_recorder).
+flight_recorder); a restore of a model's state is named by its `restore_id`, so that a
+model whose state crashes every worker that loads it is given up, not restored forever.
 
 Durability: when a model's snapshot is due (treadle.server.runtime.deferred), its state is
 written at an idle moment (executor.snapshot_state) and announced with the seq_id it
@@ -36,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.server.runtime.deferred import Deferred, DeferredWrites, run_deferred
@@ -49,7 +50,7 @@ from treadle.server.runtime.engine_client import (
     SnapshotPolicy,
 )
 from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.faults import EngineFault
+from treadle.server.runtime.faults import EngineFault, restore_id
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.server.runtime.scheduler import (
@@ -109,7 +110,7 @@ class EngineLoop(NamedControls):
         self.samples: list[Op] = []
         snapshots_on = on_snapshot is not None and executor.state_root is not None
         self.writes = DeferredWrites(snapshots or SnapshotPolicy(), snapshots_on)
-        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._calls: deque[_Call] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -191,18 +192,23 @@ class EngineLoop(NamedControls):
             fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.set_exception(InvalidRequestError(f"unknown control call {name!r}"))
             return fut
-        return self.call(lambda: fn(**args))
+        running = [restore_id(args["model_id"])] if name == "restore_model" else []
+        return self.call(lambda: fn(**args), running)
 
     async def _control(self, name: str, **args: Any) -> Any:
         return await asyncio.wrap_future(self.control(name, **args))
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def call(
+        self, fn: Callable[[], Any], running: list[str] | None = None
+    ) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread before the next round (`running`: what the flight
+        recorder names meanwhile)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._dead is not None:
                 fut.set_exception(self._dead)
                 return fut
-            self._calls.append((fn, fut))
+            self._calls.append(_Call(fn, fut, running or []))
             self._cond.notify()
         return fut
 
@@ -287,10 +293,8 @@ class EngineLoop(NamedControls):
             self._finish(expired)
             # Control calls (drop a session's adapters, load a sampler) go before planning,
             # so that a round never runs an op of a model a call just removed.
-            for fn, fut in calls:
-                _run_call(fn, fut)
-                if isinstance(error := fut.exception(), Exception):
-                    self.executor.check_fault(error, [])  # a restore on a broken device
+            for call in calls:
+                self._run_call(call)
             with self._cond:
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
@@ -328,8 +332,32 @@ class EngineLoop(NamedControls):
         self._finish(outcomes)
 
     def _running(self, ops: list[Op]) -> None:
+        self._record([op.request_id for op in ops])
+
+    def _record(self, running_ids: list[str]) -> None:
         if self._on_running is not None:
-            self._on_running([op.request_id for op in ops])
+            self._on_running(running_ids)
+
+    def _run_call(self, call: _Call) -> None:
+        """A device fault in a control call (a restore on a broken device) raises
+        EngineFault, naming what the call was running; the caller hears that the engine
+        stopped (EngineDeadError), not the fault as the call's own error: the API restores
+        again on the next worker."""
+        self._record(call.running)
+        try:
+            call.fut.set_result(call.fn())
+        except Exception as e:
+            try:
+                self.executor.check_fault(e, [], call.running)
+            except EngineFault:
+                stopped = f"the engine of model {self.name!r} failed during this call"
+                call.fut.set_exception(EngineDeadError(f"{stopped}: {type(e).__name__}: {e}"))
+                raise
+            call.fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            call.fut.set_exception(e)
+        finally:
+            self._record([])
 
     def _progress(self, items: list[Progress]) -> None:
         if self._replay:
@@ -352,8 +380,8 @@ class EngineLoop(NamedControls):
             calls = list(self._calls)
             self.samples, self.queues, self._calls = [], {}, deque()
             self.writes.clear()
-        for _, fut in calls:
-            fut.set_exception(dead)
+        for call in calls:
+            call.fut.set_exception(dead)
         self._finish([Outcome.failed(op.request_id, dead) for op in ops])
 
     def _parked_wait_s(self) -> float | None:
@@ -436,8 +464,9 @@ class EngineLoop(NamedControls):
                 log.exception("could not record %d outcomes", len(outcomes))
 
 
-def _run_call(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
-    try:
-        fut.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 - handed to the caller
-        fut.set_exception(e)
+class _Call(NamedTuple):
+    """A control call waiting for the engine thread."""
+
+    fn: Callable[[], Any]
+    fut: concurrent.futures.Future
+    running: list[str]  # what the flight recorder names while it runs

@@ -20,7 +20,7 @@ import itertools
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,11 +248,11 @@ class OpExecutor(LiveWeights):
             self.check_fault(e, [op])
             return failure(op, e)
 
-    def check_fault(self, error: Exception, running: list[Op]) -> None:
+    def check_fault(self, error: Exception, running: list[Op], also: Sequence[str] = ()) -> None:
         """Raise EngineFault if `error`, raised by an engine call, left the device unusable
-        (`running`: the ops of that call)."""
+        (`running`: the ops of that call; `also`: what else it names, a restore's id)."""
         if is_device_fault(error, getattr(self.engine, "device", None)):
-            raise EngineFault(error, running) from error
+            raise EngineFault(error, running, also) from error
 
     def _skip(self, op: Op) -> Outcome:
         """A request refused at the API edge, holding its seq_id's place in the order."""

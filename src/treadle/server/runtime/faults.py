@@ -16,7 +16,9 @@ with DeviceFaultError and is not run again. So a request that crashes the device
 deterministically (a hostile tenant's, or a bug's) costs the others two restarts, not a loop.
 A replay (an op that ran before, run again to restore its model after a crash) cannot be
 refused, as its result was given: at MAX_FAULTS its model is unrestorable, and recovery
-gives that model up alone (its pending requests fail with the reason).
+gives that model up alone (its pending requests fail with the reason). So is a model whose
+state crashes the worker that loads it to restore it (`restore_id`: what the flight recorder
+and a fault report name while a restore runs), at its MAX_FAULTS-th such crash.
 
 The engine loop dying of any other error in a worker takes the same way out, blaming no op.
 An engine on a thread of the API process (`--engine-processes false`) has no process to
@@ -35,10 +37,26 @@ MAX_FAULTS = 2
 EXIT_ENGINE_FAULT = 76  # a worker's exit status after an engine fault (75: a broken group)
 
 
-class EngineFault(Exception):
-    """The engine cannot go on in this process; `ops` were running when it happened."""
+_RESTORE = "restore:"
 
-    def __init__(self, cause: BaseException, ops: Sequence[Op] = ()):
+
+def restore_id(model_id: str) -> str:
+    """What a worker says is running while it loads a model's state to restore it (no
+    request id has this form)."""
+    return _RESTORE + model_id
+
+
+def restored_model(running_id: str) -> str | None:
+    """The model a `restore_id` names (None: the id is a request's)."""
+    return running_id.removeprefix(_RESTORE) if running_id.startswith(_RESTORE) else None
+
+
+class EngineFault(Exception):
+    """The engine cannot go on in this process; `ops` were running when it happened, and
+    `running_ids` names them (and a restore, if one was running: `restore_id`)."""
+
+    def __init__(self, cause: BaseException, ops: Sequence[Op] = (), also: Sequence[str] = ()):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause = cause
         self.ops = list(ops)
+        self.running_ids = [op.request_id for op in ops] + list(also)

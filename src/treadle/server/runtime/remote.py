@@ -15,7 +15,8 @@ ops were running before it exits: they run alone on the next worker, and one tha
 running at MAX_FAULTS faults fails with DeviceFaultError instead of running again. A
 replay (an op that ran before, re-run to restore its model) cannot be refused that way: its
 model is then `unrestorable`, and recovery gives that one model up instead of the worker
-restarting forever.
+restarting forever; so is a model whose state crashes its worker, MAX_FAULTS times, while it
+is loaded to restore the model (the worker names that restore as running: `restore_id`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from treadle.server.runtime.engine_client import (
     OnProgress,
     OnSnapshot,
 )
-from treadle.server.runtime.faults import MAX_FAULTS
+from treadle.server.runtime.faults import MAX_FAULTS, restore_id, restored_model
 from treadle.server.runtime.live_weights import StateSnapshot
 from treadle.server.runtime.messages import Kind
 from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress, Skip
@@ -117,6 +118,7 @@ class RemoteEngine(NamedControls):
         self._sent: dict[str, Op] = {}  # every op handed to this engine and not finished
         self._outbox: list[Op] = []  # ops waiting for a worker
         # a replay is made anew at each restore: its faults are kept here, by request id
+        # (and those of a model's state load, by its restore_id)
         self._replay_faults: dict[str, int] = {}
         self._unrestorable: dict[str, str] = {}  # model → why its replays cannot run
         self._calls: dict[int, concurrent.futures.Future] = {}
@@ -193,6 +195,8 @@ class RemoteEngine(NamedControls):
             seqs = self._seqs.setdefault(model_id, _Seqs())
             seqs.ran_below = max(seqs.ran_below, next_seq)
         await super().restore_model(model_id, state_dir, samplers, next_seq)
+        with self._lock:
+            self._replay_faults.pop(restore_id(model_id), None)  # its state loads well
 
     # ---- facts for the hub and recovery ----
     @property
@@ -313,6 +317,9 @@ class RemoteEngine(NamedControls):
     async def _restore(self) -> None:
         try:
             await self._on_ready(self)
+        except EngineDeadError as e:  # its worker went away: the next one restores again
+            log.warning("restoring the models of %s stopped: %s", self.name, e)
+            return
         except Exception:
             log.exception("restoring the models of %s failed", self.name)
             return
@@ -367,10 +374,14 @@ class RemoteEngine(NamedControls):
         """The worker's engine faulted (or the worker crashed) with these ops running: each
         runs alone next time; one at its MAX_FAULTS-th fault is refused instead (in its
         seq_id's place, so that its model's later ops go on). A replay at its MAX_FAULTS-th
-        makes its model unrestorable: the other models' restore goes on without it."""
+        makes its model unrestorable: the other models' restore goes on without it; so does
+        a model's state load (its restore_id) at its MAX_FAULTS-th."""
         given_up = []
         with self._lock:
             for rid in request_ids:
+                if (model_id := restored_model(rid)) is not None:
+                    self._restore_failed(rid, model_id, error)
+                    continue
                 op = self._sent.get(rid)
                 if op is None:
                     continue
@@ -406,6 +417,18 @@ class RemoteEngine(NamedControls):
                 self._outbox = [skip if o.request_id == rid else o for o in self._outbox]
         if given_up:
             self._outcomes_later(given_up)
+
+    def _restore_failed(self, rid: str, model_id: str, error: str) -> None:
+        """Under the lock: the worker failed while loading the model's state to restore it."""
+        faults = self._replay_faults[rid] = self._replay_faults.get(rid, 0) + 1
+        if faults >= MAX_FAULTS and model_id not in self._unrestorable:
+            self._unrestorable[model_id] = (
+                f"model {model_id!r} could not be restored after a restart: the engine of "
+                f"{self.name!r} failed each time while loading its state to restore it, "
+                f"{faults} times, each in a new worker process; the last failure: {error}; "
+                "create a training client from its last checkpoint"
+            )
+            log.error("%s", self._unrestorable[model_id])
 
     def _got_progress(self, items: list[Progress]) -> None:
         """Tokens of streamed ops still in flight (none of replays, nor of ops given up)."""

@@ -141,7 +141,9 @@ def test_segmented_lora_linear_keeps_a_bad_adapter_to_its_rows(layout):
     assert bad[:n].isnan().any() and dx[:n].isnan().any()
     assert torch.equal(bad[n:], clean[n:]) and torch.equal(dx[n:], clean_dx[n:])
     base = sum(sizes[: scales.index(None)])  # the first row without a LoRA
-    assert torch.equal(bad[base], F.linear(x[base], W))  # nothing added to it
+    # nothing added to it: its row of the one base call (a call on fewer rows may block
+    # its sums otherwise and differ in the last bit, as it does on AVX-512 CPUs)
+    assert torch.equal(bad[base], F.linear(x, W)[base])
     assert all(torch.equal(a, c) for a, c in zip(rest, clean_rest, strict=True))
 
 

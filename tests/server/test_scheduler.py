@@ -19,7 +19,7 @@ from treadle.server.runtime import engine_loop
 from treadle.server.runtime.engine_client import EngineFacts
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.faults import EngineFault
+from treadle.server.runtime.faults import EngineFault, restore_id
 from treadle.server.runtime.ops import (
     Op,
     OpKind,
@@ -377,12 +377,14 @@ def test_a_control_call_that_breaks_the_device_is_an_engine_fault_too():
         with pytest.raises(InvalidRequestError):
             worker.call(unknown_ref).result(timeout=10)  # a request's own error: no fault
         assert not faults
-        with pytest.raises(torch.AcceleratorError):
-            worker.call(restore).result(timeout=10)
+        # the caller hears that the engine stopped; the fault names what the call ran
+        with pytest.raises(EngineDeadError, match="device-side assert"):
+            worker.call(restore, [restore_id("m1")]).result(timeout=10)
         deadline = time.monotonic() + 10
         while not faults and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         worker.stop()
     assert len(faults) == 1 and not faults[0].ops
+    assert faults[0].running_ids == [restore_id("m1")]
     assert "device-side assert" in str(faults[0])

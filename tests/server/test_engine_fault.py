@@ -11,8 +11,8 @@ every new worker forever. One that begins with OOM allocates host memory until t
 kernel's OOM killer kills the worker (in a memory cgroup of its own that the test makes).
 One that begins with LATENT runs well until the test breaks the
 device (a file beside the hook): then the run of it that restores its model faults. A
-model named in another file beside the hook crashes its worker (a segfault, or a device
-fault) while the worker loads the model's state to restore it.
+model (or a sampler's ref) named in another file beside the hook crashes its worker (a
+segfault, or a device fault) while the worker loads its state (or weights) to restore it.
 
     .venv/bin/python -m pytest -q tests/server/test_engine_fault.py
 """
@@ -111,11 +111,12 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
 
     CRASH_RESTORE = os.path.join(os.path.dirname(__file__), "crash-restore")
     real_restore = live_weights.LiveWeights.restore_model
+    real_load_sampler = live_weights.LiveWeights.load_sampler
 
-    def restore_model(self, model_id, state_dir, samplers):
-        # each line of the file beside the hook: "MODEL HOW", one crash of that model's restore
+    def crash_if_planted(key):
+        # each line of the file beside the hook: "KEY HOW", one crash of that key's load
         lines = open(CRASH_RESTORE).read().split("\\n") if os.path.exists(CRASH_RESTORE) else []
-        mine = [line for line in lines if line.startswith(model_id + " ")]
+        mine = [line for line in lines if line.startswith(key + " ")]
         if mine:
             lines.remove(mine[0])
             with open(CRASH_RESTORE, "w") as f:
@@ -126,8 +127,16 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
                 ctypes.string_at(0)
             broken.append(True)
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    def restore_model(self, model_id, state_dir, samplers):
+        crash_if_planted(model_id)
         return real_restore(self, model_id, state_dir, samplers)
 
+    def load_sampler(self, ref, checkpoint_type, directory):
+        crash_if_planted(ref)
+        return real_load_sampler(self, ref, checkpoint_type, directory)
+
+    live_weights.LiveWeights.load_sampler = load_sampler
     live_weights.LiveWeights.restore_model = restore_model
 
     if os.environ.get("RANK") == "1":  # a worker group: the fault is on rank 1's device only
@@ -482,5 +491,31 @@ def test_a_model_whose_restore_keeps_crashing_its_worker_is_given_up_alone(serve
     with pytest.raises(Exception, match="could not be restored after a restart"):
         hostile.forward_backward(clean, "cross_entropy").result(timeout=60)
     victim.optim_step(AdamParams(learning_rate=1e-2)).result(timeout=60)
+    victim_svc.close()
+    hostile_svc.close()
+
+
+def test_a_worker_that_dies_while_loading_a_sampler_again_keeps_that_sampler(server, tmp_path):
+    """A sampler of a saved checkpoint, whose reload after a kill segfaults the next worker:
+    the sampler is not given up for it, not even for a moment (the worker's death was no
+    fault of the sampler's); the worker after restores it, and it samples the same greedy
+    tokens as before."""
+    victim_svc, hostile_svc, victim, _ = two_tenants(server)
+    victim.forward_backward(datums([5, 6, 7]), "cross_entropy").result()
+    victim.optim_step(AdamParams(learning_rate=1e-2)).result()
+    saved = victim.save_weights_for_sampler("s1").result(timeout=60)
+    sampler = victim_svc.create_sampling_client(model_path=saved.path)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = sampler.sample([5, 6, 7], 1, params).result(timeout=60).sequences[0].tokens
+
+    crash = tmp_path / "hook" / "crash-restore"
+    crash.write_text(f"sampler:{sampler.sampling_session_id} segfault")
+    for pid in server.children():
+        os.kill(pid, signal.SIGKILL)
+    got = sampler.sample([5, 6, 7], 1, params).result(timeout=180).sequences[0].tokens
+    assert got == expected
+    assert crash.read_text() == ""  # its reload did crash a worker once
+    # nor was it reported as lost on the way (the operator's log, and its 404's reason)
+    assert "could not be loaded again" not in server.log()
     victim_svc.close()
     hostile_svc.close()

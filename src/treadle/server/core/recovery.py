@@ -149,11 +149,9 @@ class Recovery:
             try:
                 await self._restore_model(engine, row, skip)
             except EngineDeadError:
-                # the worker went away meanwhile: its successor restores again (and if the
-                # worker crashed loading this model, it counts against this model alone)
-                log.warning(
-                    "the engine of %s stopped while restoring %s", engine.name, row.model_id
-                )
+                # The worker went away meanwhile: this restore stops, and the next worker's
+                # restores everything again. Nothing is given up for it (a crash while a
+                # model's state loads counts against that model alone: faults.restore_id).
                 raise
             except Exception as e:  # one model that cannot come back must not keep the rest
                 log.exception("could not restore model %s", row.model_id)
@@ -241,6 +239,8 @@ class Recovery:
                 continue  # held by another replica
             try:
                 await self._load_sampler(engine, row)
+            except EngineDeadError:
+                raise  # the worker went away: as for a model above, nothing is given up
             except Exception as e:  # noqa: BLE001 - that sampler answers 404 with the reason
                 why = f"its weights could not be loaded again after a restart ({e})"
                 state.samplers.not_restored(row.sampling_session_id, why)

@@ -343,7 +343,8 @@ class EngineLoop(NamedControls):
         EngineFault, naming what the call was running; the caller hears that the engine
         stopped (EngineDeadError), not the fault as the call's own error: the API restores
         again on the next worker."""
-        self._record(call.running)
+        if call.running:
+            self._record(call.running)
         try:
             call.fut.set_result(call.fn())
         except Exception as e:
@@ -357,7 +358,8 @@ class EngineLoop(NamedControls):
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             call.fut.set_exception(e)
         finally:
-            self._record([])
+            if call.running:
+                self._record([])
 
     def _progress(self, items: list[Progress]) -> None:
         if self._replay:

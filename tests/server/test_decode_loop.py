@@ -86,19 +86,36 @@ class Log:
 
 
 @pytest.fixture
-def loop(engine):
-    log = Log(engine)
-    executor = OpExecutor(engine, writer=None)
-    worker = EngineLoop(
-        EngineFacts.of("tiny", engine), executor, log.outcome, on_progress=log.on_progress
-    )
-    worker.log = log
-    worker.start()
-    yield worker
-    worker.stop()
-    log.close()
+def make_loop(engine):
+    """make_loop(**EngineLoop settings) → a started loop on the tiny engine, stopped after."""
+    loops = []
+
+    def make(**settings) -> EngineLoop:
+        log = Log(engine)
+        executor = OpExecutor(engine, writer=None)
+        worker = EngineLoop(
+            EngineFacts.of("tiny", engine),
+            executor,
+            log.outcome,
+            on_progress=log.on_progress,
+            **settings,
+        )
+        worker.log = log
+        worker.start()
+        loops.append(worker)
+        return worker
+
+    yield make
+    for worker in loops:
+        worker.stop()
+        worker.log.close()
     for ref in [k for k in engine.bank.adapters if k.startswith("m-")]:
         engine.drop_adapter(ref)
+
+
+@pytest.fixture
+def loop(make_loop):
+    return make_loop()
 
 
 def sample_op(rid: str, max_tokens: int, seed: int, adapter=None, stream=False, n=1) -> Op:
@@ -198,6 +215,56 @@ def test_a_sample_keeps_the_weights_it_started_with(loop, engine):
     assert during.sequences[0].tokens != after.sequences[0].tokens
     engine.drop_snapshot("before")
     assert not [k for k in engine.bank.snapshots if k.startswith("pin:")]  # the copy is freed
+
+
+def test_a_finished_row_keeps_its_weights_until_the_batch_drops_it(loop, engine):
+    """Eight chats on eight live sessions share the decode batch; one ends after 2 tokens.
+    Its pin (the copy of its session's weights) is freed only once no row is routed to it:
+    the finished row stays in the batch until a quarter of it has finished, and every
+    decode step routes all of its rows (a pin freed before made the next step fail for
+    every op in the batch: "no adapter or snapshot with id 'pin:...'")."""
+    log = loop.log
+    models = [f"m-p{i}" for i in range(8)]
+    for m in models:
+        create(loop, m)
+    ops = [sample_op(f"chat{i}", 2 if i == 0 else 24, i, adapter=m) for i, m in enumerate(models)]
+    for op in ops:
+        loop.submit(op)
+    log.wait(lambda: {op.request_id for op in ops} <= log.outcomes.keys())
+    assert all(log.outcomes[op.request_id].succeeded for op in ops), [
+        log.outcomes[op.request_id].error for op in ops
+    ]
+    assert log.at_step["chat0"] < log.at_step["chat1"]  # it ended while the others decoded
+    for op in ops:  # each row sampled what it samples alone on its session's weights
+        want = engine.sample([op.payload.request])[0].sequences[0].tokens
+        assert log.outcomes[op.request_id].result.sequences[0].tokens == want
+    assert not [k for k in engine.bank.snapshots if k.startswith("pin:")]  # all freed
+
+
+def test_a_sample_answers_from_the_weights_it_arrived_with(make_loop, engine):
+    """A chat on a live session waits for room in a full decode batch while an optim_step
+    filed after it runs: it still answers from the weights it was filed against."""
+    loop = make_loop(max_sample_batch=1)
+    log = loop.log
+    create(loop, "m-c")
+    loop.submit(train_op("m-c", 1))
+    log.wait(lambda: "m-c:1" in log.outcomes)
+    engine.snapshot("m-c", "before")  # the loop is idle
+    loop.submit(sample_op("long", max_tokens=96, seed=1, stream=True))
+    log.wait(lambda: streamed_tokens(log, "long") >= 2)
+    loop.submit(sample_op("chat", max_tokens=32, seed=7, adapter="m-c"))
+    loop.submit(train_op("m-c", 2, OpKind.OPTIM_STEP))
+    log.wait(lambda: {"chat", "m-c:2"} <= log.outcomes.keys())
+    # the step ran while the batch had no room for the chat
+    assert log.at_step["m-c:2"] < log.at_step["long"] <= log.at_step["chat"]
+    before = engine.sample([sample_op("x", 32, 7, adapter="before").payload.request])[0]
+    after = engine.sample([sample_op("y", 32, 7, adapter="m-c").payload.request])[0]
+    chat = log.outcomes["chat"].result.sequences[0]
+    assert chat.tokens == before.sequences[0].tokens
+    assert chat.logprobs == pytest.approx(before.sequences[0].logprobs, abs=1e-5)
+    assert chat.tokens != after.sequences[0].tokens
+    engine.drop_snapshot("before")
+    assert not [k for k in engine.bank.snapshots if k.startswith("pin:")]
 
 
 def test_a_sampler_dropped_mid_generation_is_freed_when_it_ends(loop, engine, tmp_path):

@@ -109,6 +109,13 @@ class DecodeBatch:
         """Decode rows held (finished rows not yet dropped included)."""
         return sum(len(c) for c in (self.cohort, *self.waiting) if c is not None)
 
+    def adapter_keys(self) -> set[str]:
+        """The adapters and snapshots that rows are routed to: every decode step routes all
+        of a cohort's rows, finished ones too until the cohort drops them, so none of these
+        may be freed."""
+        cohorts = [c for c in (self.cohort, *self.waiting) if c is not None]
+        return {k for c in cohorts for k in c.keys if k is not None}
+
     @property
     def has_results(self) -> bool:
         """Whether a finished request waits to be handed back by step()."""

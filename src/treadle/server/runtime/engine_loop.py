@@ -108,6 +108,7 @@ class EngineLoop(NamedControls):
         self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
         self.samples: list[Op] = []
+        self._arrived: list[Op] = []  # sample ops whose weights the next round holds
         snapshots_on = on_snapshot is not None and executor.state_root is not None
         self.writes = DeferredWrites(snapshots or SnapshotPolicy(), snapshots_on)
         self._calls: deque[_Call] = deque()
@@ -156,6 +157,7 @@ class EngineLoop(NamedControls):
                 refused = Outcome.failed(op.request_id, self._dead)
             elif op.kind == OpKind.SAMPLE:
                 self.samples.append(op)
+                self._arrived.append(op)
             elif (queue := self.queues.get(op.model_id)) is not None:
                 if (why := enqueue(queue, op, self.park)) is not None:  # parked-op bounds
                     refused = Outcome.failed(op.request_id, why)
@@ -234,9 +236,11 @@ class EngineLoop(NamedControls):
         """Forget every model and sampler (a new API took over: it restores what it knows)."""
         with self._cond:
             models = list(self.queues)
-            self.queues, self.samples = {}, []
+            waiting = self.samples
+            self.queues, self.samples, self._arrived = {}, [], []
             self.writes.clear()
             self._replay.clear()
+        self.executor.release(waiting)
         self.executor.abort_samples()
         for model_id in models:
             self.executor.drop_model(model_id)
@@ -284,6 +288,7 @@ class EngineLoop(NamedControls):
                     return
                 calls = list(self._calls)
                 self._calls.clear()
+                arrived, self._arrived = self._arrived, []
                 now = time.monotonic()
                 expired = [
                     o
@@ -295,6 +300,9 @@ class EngineLoop(NamedControls):
             # so that a round never runs an op of a model a call just removed.
             for call in calls:
                 self._run_call(call)
+            # A sample op answers from the weights of its arrival, whatever this round runs
+            # before it joins the decode batch (an optim_step filed after it, a full batch).
+            self.executor.hold(arrived)
             with self._cond:
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
@@ -380,7 +388,7 @@ class EngineLoop(NamedControls):
             ops += [job.op for job in self.writes.take() if job.op is not None]
             ops += self.executor.abort_samples()
             calls = list(self._calls)
-            self.samples, self.queues, self._calls = [], {}, deque()
+            self.samples, self.queues, self._calls, self._arrived = [], {}, deque(), []
             self.writes.clear()
         for call in calls:
             call.fut.set_exception(dead)

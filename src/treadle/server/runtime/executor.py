@@ -6,17 +6,15 @@ models, checkpoints loaded for sampling, the "live refs") and state snapshots ar
 its base, LiveWeights (treadle.server.runtime.live_weights).
 
 Sample ops join the engine's DecodeBatch (`admit_samples`) and finish a few decode steps at
-a time (`decode`), while other ops run between the steps. The weights a sample op started
-with stay its weights until it ends: a live training adapter is copied when the op joins
-(a "pin", freed when it ends), and a sampler ref that an op still decodes with is freed
-only once that op ends. Engines without an incremental sampler (no `decode_batch`) run
-sample ops to the end in `admit_samples`.
+a time (`decode`), while other ops run between the steps. The weights a sample op arrived
+with stay its weights until it ends (LiveWeights.hold: the engine loop holds them as the op
+arrives; a pin or ref is freed only once no op holds it and no decode row is routed to it).
+Engines without an incremental sampler (no `decode_batch`) run sample ops to the end in
+`admit_samples`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import shutil
 import time
@@ -27,7 +25,6 @@ from typing import Any
 
 from treadle.engine.device_faults import is_device_fault
 from treadle.engine.types import TrainBatch
-from treadle.errors import NotFoundError
 from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.deferred import Deferred
 from treadle.server.runtime.faults import EngineFault
@@ -58,10 +55,9 @@ log = logging.getLogger("treadle.executor")
 
 @dataclass
 class _Flight:
-    """A sample op in the decode batch, and the weights it holds."""
+    """A sample op in the decode batch."""
 
     op: Op
-    holds: list[str]  # sampler refs and pins it keeps in memory until it ends
     started_at: float = field(default_factory=time.time)
 
 
@@ -78,8 +74,6 @@ class OpExecutor(LiveWeights):
         self.writer = writer
         self._batch: Any = None  # the engine's DecodeBatch, made on first use
         self._flights: dict[int, _Flight] = {}  # by DecodeBatch handle
-        self._pins: set[str] = set()  # copies of live adapters made for sample ops
-        self._pin_ids = itertools.count()
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {
             OpKind.SKIP: self._skip,
             OpKind.CREATE: self._create,
@@ -114,14 +108,17 @@ class OpExecutor(LiveWeights):
 
     # ---- sampling: all requests in one engine call (engines without a DecodeBatch) ----
     def run_samples(self, ops: list[Op]) -> list[Outcome]:
+        self.hold(ops)
         try:
-            results = self.engine.sample([op.payload.request for op in ops])
+            results = self.engine.sample([self.request_of(op) for op in ops])
         except Exception as e:
             self.check_fault(e, ops)
             if len(ops) == 1:
+                self.release(ops)
                 return [failure(ops[0], e)]
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.run_samples([op])]
+        self.release(ops)
         return [sample_outcome(op, r) for op, r in zip(ops, results, strict=True)]
 
     # ---- sampling: a decode batch that lives across rounds ----
@@ -133,31 +130,26 @@ class OpExecutor(LiveWeights):
     def admit_samples(self, ops: list[Op]) -> list[Outcome]:
         """Prefill sample ops and join them to the decode batch: → the outcomes of those
         already over (refused, or needing no decode step come out of the next `decode`).
-        If the prefill fails and held several ops, each is tried alone. An op that was
-        running at an engine fault (one per step: the scheduler's rule) runs to its end here,
-        outside the shared decode batch."""
+        If the prefill fails and held several ops, each is tried alone (with the weights it
+        holds). An op that was running at an engine fault (one per step: the scheduler's
+        rule) runs to its end here, outside the shared decode batch."""
         if not callable(getattr(self.engine, "decode_batch", None)) or ops[0].faults:
             return self.run_samples(ops)
         if self._batch is None:
             self._batch = self.engine.decode_batch()
-        holds = self._hold_weights(ops)
-        requests = []
-        for op, held in zip(ops, holds, strict=True):
-            req = op.payload.request
-            pin = next((h for h in held if h in self._pins), None)
-            requests.append(req if pin is None else dataclasses.replace(req, adapter=pin))
+        self.hold(ops)  # those that arrived before their adapter existed
+        requests = [self.request_of(op) for op in ops]
         try:
             handles = self._batch.add(requests, stream=[op.payload.stream for op in ops])
         except Exception as e:
             self.check_fault(e, [*ops, *(f.op for f in self._flights.values())])
-            for held in holds:
-                self._release(held)
             if len(ops) == 1:
+                self.release(ops)
                 return [failure(ops[0], e)]
             log.warning("sample batch of %d failed (%s); retrying one by one", len(ops), e)
             return [o for op in ops for o in self.admit_samples([op])]
-        for op, h, held in zip(ops, handles, holds, strict=True):
-            self._flights[h] = _Flight(op, held)
+        for op, h in zip(ops, handles, strict=True):
+            self._flights[h] = _Flight(op)
         return []
 
     def decode(
@@ -184,12 +176,9 @@ class OpExecutor(LiveWeights):
             self.check_fault(e, [f.op for f in self._flights.values()])
             log.exception("a decode step of %d sample ops failed", len(self._flights))
             return [failure(op, e) for op in self.abort_samples()]
-        outcomes = []
-        for h, result in finished:
-            flight = self._flights.pop(h)
-            self._release(flight.holds)
-            outcomes.append(sample_outcome(flight.op, result).timed(flight.started_at))
-        return outcomes
+        flights = [(self._flights.pop(h), result) for h, result in finished]
+        self.release([flight.op for flight, _ in flights])  # and what compaction let go
+        return [sample_outcome(f.op, r).timed(f.started_at) for f, r in flights]
 
     def decoding(self) -> list[Op]:
         """The sample ops in the decode batch."""
@@ -198,50 +187,16 @@ class OpExecutor(LiveWeights):
     def abort_samples(self) -> list[Op]:
         """Forget every sample op in the decode batch (→ them), and the batch itself."""
         flights, self._flights, self._batch = list(self._flights.values()), {}, None
-        for flight in flights:
-            self._release(flight.holds)
-        return [f.op for f in flights]
+        ops = [f.op for f in flights]
+        self.release(ops)
+        return ops
 
-    def _hold_weights(self, ops: list[Op]) -> list[list[str]]:
-        """Keep each op's weights as they are now until it ends: a sampler ref is held (not
-        freed while in use), a live training adapter copied (one pin per adapter for all
-        these ops). A key that is neither is left for the sampler to refuse."""
-        pins: dict[str, str] = {}
-        holds = []
-        for op in ops:
-            key = op.payload.request.adapter
-            if key is None:
-                holds.append([])
-                continue
-            if key not in pins and not self.is_live(key):
-                pin = f"pin:{next(self._pin_ids)}"
-                try:
-                    self.engine.snapshot(key, pin)
-                except NotFoundError:
-                    pin = None  # no live adapter by this name: maybe a snapshot, or nothing
-                else:
-                    self._pins.add(pin)
-                    pins[key] = pin
-            held = pins.get(key, key)
-            self._holds[held] += 1
-            holds.append([held])
-        return holds
-
-    def _release(self, held: list[str]) -> None:
-        for ref in held:
-            self._holds[ref] -= 1
-            if self._holds[ref] > 0:
-                continue
-            del self._holds[ref]
-            if ref in self._pins:
-                self._pins.discard(ref)
-                self._free(ref)
-            elif ref in self._drop_later:
-                self._drop_later.discard(ref)
-                self._free(ref)
+    def _routed(self) -> set[str]:
+        return self._batch.adapter_keys() if self._batch is not None else set()
 
     # ---- everything else: one op at a time, in its model's order ----
     def run_single(self, op: Op) -> Outcome | Deferred:
+        self.weights_changed(op.model_id)  # a step or a load: sample ops arriving next pin anew
         try:
             return self._single[op.kind](op)
         except Exception as e:

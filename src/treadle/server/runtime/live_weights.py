@@ -5,8 +5,13 @@
 `is_live` is asked from any thread (the API side checks a sampler before it files a sample
 op), so the set sits behind a lock; the rest runs on the engine thread.
 
-A ref dropped while a sample op still decodes with it is freed only when that op ends
-(`_holds`, `_drop_later`: the executor's decode batch keeps them up to date).
+A sample op holds its weights from its arrival until it ends (`hold`, `release`): a sampler
+ref is kept, and a live training adapter is copied into a "pin" (one per adapter for as
+long as its weights do not change), so that a chat on a live session answers from the
+weights it was filed against even if an optim_step runs before it joins the decode batch.
+A ref dropped, or a pin no op holds any more, is freed only once nothing uses it: no op
+holds it and no row of the decode batch is routed to it (`_routed`: finished rows stay in
+the batch until it compacts, and every decode step routes all of its rows).
 
 State snapshots (`snapshot_state`) are what recovery loads before it replays later ops:
 a model's adapter, AdamW moments, step and accumulated gradients, and its sampler
@@ -15,6 +20,8 @@ snapshots not yet on disk, in a new folder complete before it is named.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import shutil
 import threading
@@ -25,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treadle.engine.types import SampleRequest
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
+from treadle.server.runtime.ops import Op
 
 log = logging.getLogger("treadle.executor")
 
@@ -59,8 +68,11 @@ class LiveWeights:
         self._persisted: dict[str, str] = {}  # sampler snapshot → its folder on disk
         self._live: set[str] = set()  # engine ids a sampling session may use
         self._live_lock = threading.Lock()
-        self._holds: Counter[str] = Counter()  # refs and pins in-flight sample ops use
-        self._drop_later: set[str] = set()  # refs dropped while still in use
+        self._holds: Counter[str] = Counter()  # refs and pins sample ops hold
+        self._held: dict[str, str] = {}  # request_id → the ref or pin it holds
+        self._pin_of: dict[str, str] = {}  # live adapter → its pin, while its weights stay
+        self._pin_ids = itertools.count()
+        self._drop_later: set[str] = set()  # dropped refs and unheld pins, freed once unused
 
     def keep_snapshot(self, model_id: str, snap: str) -> None:
         """A new sampler snapshot of a model: live, and the oldest beyond the limit dropped."""
@@ -69,6 +81,73 @@ class LiveWeights:
         kept.append(snap)
         while len(kept) > self.max_snapshots:
             self.drop_ref(kept.popleft())
+
+    # ---- the weights sample ops hold ----
+    def hold(self, ops: list[Op]) -> None:
+        """Keep each sample op's weights as they are now until `release`: a sampler ref is
+        held, a live training adapter pinned (copied; one pin per adapter until its weights
+        change). An op holding already is left as it is; a key that is neither (no such
+        adapter yet) is held at its next `hold`, or left for the sampler to refuse."""
+        for op in ops:
+            key = op.payload.request.adapter
+            if key is None or op.request_id in self._held:
+                continue
+            held = key if self.is_live(key) else self._pin(key)
+            if held is None:
+                continue
+            self._holds[held] += 1
+            self._held[op.request_id] = held
+
+    def _pin(self, adapter_id: str) -> str | None:
+        pin = self._pin_of.get(adapter_id)
+        if pin is None:
+            pin = f"pin:{next(self._pin_ids)}"
+            try:
+                self.engine.snapshot(adapter_id, pin)
+            except NotFoundError:
+                return None
+            self._pin_of[adapter_id] = pin
+        return pin
+
+    def request_of(self, op: Op) -> SampleRequest:
+        """The op's engine request, routed to the weights it holds."""
+        request = op.payload.request
+        held = self._held.get(op.request_id)
+        if held is None or held == request.adapter:
+            return request
+        return dataclasses.replace(request, adapter=held)
+
+    def release(self, ops: list[Op]) -> None:
+        """The ops ended: their weights are freed once nothing else uses them."""
+        for op in ops:
+            held = self._held.pop(op.request_id, None)
+            if held is None:
+                continue
+            self._holds[held] -= 1
+            if self._holds[held] > 0:
+                continue
+            del self._holds[held]
+            if held.startswith("pin:"):
+                self._drop_later.add(held)
+                self._pin_of = {a: p for a, p in self._pin_of.items() if p != held}
+        self.collect()
+
+    def weights_changed(self, adapter_id: str) -> None:
+        """The adapter's weights changed (or it is gone): ops arriving later pin anew."""
+        self._pin_of.pop(adapter_id, None)
+
+    def collect(self) -> None:
+        """Free the dropped refs and pins that no op holds and no decode row uses."""
+        if not self._drop_later:
+            return
+        routed = self._routed()
+        for ref in [r for r in self._drop_later if not self._holds.get(r) and r not in routed]:
+            self._drop_later.discard(ref)
+            self._free(ref)
+
+    def _routed(self) -> set[str]:
+        """The refs rows of the decode batch are routed to (the executor's batch)."""
+        return set()
 
     # ---- sampler weights in memory ----
     def is_live(self, ref: str) -> bool:
@@ -126,6 +205,7 @@ class LiveWeights:
     def restore_model(self, model_id: str, state_dir: str | None, samplers: dict[str, str]) -> None:
         """A model as its last snapshot left it (or nothing yet: its create op replays),
         with the sampler snapshots it had then."""
+        self.weights_changed(model_id)
         if state_dir is not None:
             self.engine.load_snapshot(model_id, state_dir)
         kept = self.snapshots.setdefault(model_id, deque())
@@ -147,10 +227,8 @@ class LiveWeights:
         folder = self._persisted.pop(ref, None)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-        if self._holds.get(ref):  # a sample op still decodes with it: freed when it ends
-            self._drop_later.add(ref)
-            return
-        self._free(ref)
+        self._drop_later.add(ref)  # a sample op may still decode with it
+        self.collect()
 
     def _free(self, ref: str) -> None:
         try:
@@ -169,6 +247,7 @@ class LiveWeights:
         self.snapshots.clear()
 
     def drop_model(self, model_id: str) -> None:
+        self.weights_changed(model_id)
         for snap in self.snapshots.pop(model_id, deque()):
             self.drop_ref(snap)
         try:

@@ -136,15 +136,18 @@ class ReplicatedEngine(EngineClient):
         self._replica_of(model_id).check_seq(model_id, seq_id)
 
     def submit(self, op: Op) -> None:
-        if op.kind == OpKind.SAMPLE:
-            self._sampler_replica(op.payload.request.adapter).submit(op)
-            return
+        # a model moving to another replica: its ops, and samples of its live weights, wait
+        # for the move (they run there after it, in their order)
+        moving = op.payload.request.adapter if op.kind == OpKind.SAMPLE else op.model_id
         with self._lock:
-            held = self._moving.get(op.model_id)
+            held = self._moving.get(moving) if moving is not None else None
             if held is not None and not op.replay:
                 held.append(op)
                 return
-        self._replica_of(op.model_id).submit(op)
+        if op.kind == OpKind.SAMPLE:
+            self._sampler_replica(op.payload.request.adapter).submit(op)
+        else:
+            self._replica_of(op.model_id).submit(op)
 
     def is_live(self, ref: str) -> bool:
         return any(r.is_live(ref) for r in self.replicas)

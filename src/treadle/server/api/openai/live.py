@@ -16,7 +16,7 @@ Tokens carry their position: when an op runs again (its worker restarted while t
 was open) nothing already sent is sent twice, and since a streamed op always has a seed,
 the run again samples the same tokens.
 
-Chunks that need the whole answer (top_logprobs, from a second scoring pass; tool calls,
+Chunks that need the whole answer (top_logprobs, which tokens do not carry; tool calls,
 parsed from the whole text; legacy completion logprobs with their text offsets) make the
 request sample whole and be replayed (stream.py).
 """

@@ -8,19 +8,18 @@ Seeds map one to one: `seed` here is `SamplingParams.seed` there, and `n` is
 `num_samples`, so a request with a seed returns the very tokens that `SamplingClient.sample`
 returns for the same prompt tokens and settings.
 
-top_logprobs need the whole distribution at each sampled position, which a decode step does
-not keep: they come from a second, scoring-only pass over prompt + completion (the
-raw-distribution logprobs the sampler reports, so the two agree).
+top_logprobs are the sampler's own top-K at each sampled position (`topk_sample_logprobs`,
+of the raw distribution, like the sampled logprobs): one pass, on the weights the request
+was filed against, even on a live session whose next optim_step lands meanwhile.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from dataclasses import dataclass
 
 from treadle.engine.types import SampleRequest as EngineSampleRequest
-from treadle.engine.types import SampleResult, SampleSpec
+from treadle.engine.types import SampleResult
 from treadle.errors import InvalidRequestError
 from treadle.server.api.openai.resolve import Target
 from treadle.server.api.openai.schemas import Sampling
@@ -90,12 +89,15 @@ def engine_request(
             top_p=spec.top_p,
         ),
         sampling_session_id=target.sampling_session_id,
+        topk_sample_logprobs=spec.top_logprobs,
     )
     return validation.sample_request(body, target.adapter, facts, None, state.config.limits)
 
 
 def sampled_of(result: SampleResult) -> list[Sampled]:
-    return [Sampled(s.tokens, list(s.logprobs or []), s.stop_reason) for s in result.sequences]
+    return [
+        Sampled(s.tokens, list(s.logprobs or []), s.stop_reason, s.topk) for s in result.sequences
+    ]
 
 
 async def sample(
@@ -108,14 +110,7 @@ async def sample(
 ) -> list[Sampled]:
     """`spec.n` continuations of one prompt (and their top-K logprobs if asked)."""
     request = engine_request(state, target, prompt_T, spec, max_tokens, spec.seed)
-    out = sampled_of(await _run(state, tenant, target, request))
-    if spec.top_logprobs > 0:
-        tops = await asyncio.gather(
-            *(_top_k(state, tenant, target, prompt_T, s.tokens_T, spec.top_logprobs) for s in out)
-        )
-        for s, top in zip(out, tops, strict=True):
-            s.top_TK = top
-    return out
+    return sampled_of(await _run(state, tenant, target, request))
 
 
 async def file_streamed(
@@ -133,28 +128,6 @@ async def file_streamed(
     seed = spec.seed if spec.seed is not None else secrets.randbits(63)
     request = engine_request(state, target, prompt_T, spec, max_tokens, seed)
     return await _file(state, tenant, target, Sample(request, stream=True))
-
-
-async def _top_k(
-    state: ServerState,
-    tenant: Tenant,
-    target: Target,
-    prompt_T: list[int],
-    tokens_T: list[int],
-    k: int,
-) -> list[list[tuple[int, float]]]:
-    if not tokens_T:
-        return []
-    request = EngineSampleRequest(
-        prompt=prompt_T + tokens_T,
-        num_samples=1,
-        params=SampleSpec(max_tokens=0),
-        adapter=target.adapter,
-        topk_prompt_logprobs=k,
-    )
-    result = await _run(state, tenant, target, request)
-    top = result.topk_prompt_logprobs or []
-    return [list(map(tuple, row or [])) for row in top[len(prompt_T) :]]
 
 
 async def _run(

@@ -1,6 +1,5 @@
-"""Raw HTTP/1.1 forwarding for the test proxies (tests/client/_proxy.py, a fault-injecting
-proxy, and tests/postgres/_roundrobin.py, a load balancer): one request on a fresh upstream
-connection, content-length bodies only."""
+"""Raw HTTP/1.1 forwarding for the fault-injecting test proxy (tests/client/_proxy.py): one
+request on a fresh upstream connection, content-length bodies only."""
 
 from __future__ import annotations
 

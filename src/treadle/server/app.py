@@ -2,11 +2,7 @@
 the lifespan, never at import, and torn down with it.
 
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
-    treadle serve --model ... --db postgresql://db-host/treadle                       # engine host
-    treadle serve --model ... --db postgresql://db-host/treadle --engine-host false   # + frontends
-
-On a PostgreSQL database the processes find each other through it (treadle.server.core.
-shared): the engine host runs the engines as a lone server does, a frontend none.
+    treadle serve --model ... --db postgresql://db-host/treadle
 """
 
 from __future__ import annotations
@@ -54,7 +50,6 @@ from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
 from treadle.server.core.sessions import Sessions
-from treadle.server.core.shared import Shared
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
@@ -62,7 +57,6 @@ from treadle.server.runtime.checkpoint_writer import CheckpointWriter
 from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
 from treadle.server.runtime.engine_loop import EngineLoop
 from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.forward import ControlCalls
 from treadle.server.runtime.hub import WorkerHub
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine
@@ -71,8 +65,6 @@ from treadle.server.runtime.scheduler import ParkLimits
 from treadle.server.runtime.supervisor import Supervisor
 from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
-from treadle.server.storage.notify import Notify
-from treadle.server.storage.rows import new_id
 from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
@@ -81,7 +73,6 @@ from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
 log = logging.getLogger("treadle.server")
 
 EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
-SPEND_RELOAD_S = 5.0
 
 
 def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
@@ -97,26 +88,18 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         root = packages_root(config)
-        if config.engine_host:  # a frontend starts while the host may be writing there
-            artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
+        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
-        notify = Notify(new_id()) if store.shared else None  # other API processes may join
-        state = _build_state(config, store, journal, asyncio.get_running_loop(), notify)
-        shared = None
-        if notify is not None:
-            calls = ControlCalls(journal, notify, config.engine_down_timeout_s)
-            shared = Shared(state, notify, calls)
+        state = _build_state(config, store, journal, asyncio.get_running_loop())
         recovery = Recovery(state)
-        engines: _ThreadEngines | _ProcessEngines | None = None
-        if config.engine_host:
-            engines = (
-                _ProcessEngines(config, state, recovery)
-                if config.engine_processes
-                else _ThreadEngines(config, state, recovery, make_engine)
-            )
+        engines = (
+            _ProcessEngines(config, state, recovery)
+            if config.engine_processes
+            else _ThreadEngines(config, state, recovery, make_engine)
+        )
         # what tenants and keys spent this day and month, before any engine runs
         await asyncio.to_thread(state.admission.spend.load)
         app.state.console = ConsoleViews(
@@ -125,32 +108,19 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         state.futures.metrics.start()
         tasks: list[asyncio.Task] = []
         try:
-            if shared is not None:
-                await shared.listen()  # before recovery reads the requests left pending
-            if engines is not None:
-                await engines.start()
-            if shared is not None:
-                await (shared.announce() if engines is not None else shared.join())
-                await shared.open()
-                tasks.append(asyncio.create_task(shared.keep_seen()))
+            await engines.start()
             for name, path in config.models.items():
                 state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
             app.state.server = state
             app.state.keyring = state.keyring
             app.state.openai = OpenAIServing(state)
             _announce_mode(state.keyring)
-            if config.engine_host:  # the host ends silent sessions, for every process
-                tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
-            else:  # the host counts what results spend; a frontend reads it
-                tasks.append(asyncio.create_task(_reload_spend(state)))
+            tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
             yield
         finally:
             for task in tasks:
                 task.cancel()
-            if shared is not None:  # no more requests of other processes are taken
-                await shared.stop()
-            if engines is not None:
-                await engines.stop()  # first: their last outcomes go to the journal
+            await engines.stop()  # first: their last outcomes go to the journal
             await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
@@ -183,7 +153,6 @@ def _build_state(
     store: Store,
     journal: Journal,
     loop: asyncio.AbstractEventLoop,
-    notify: Notify | None = None,
 ) -> ServerState:
     quotas = QuotaBook(config.quotas, config.tenant_quotas)
     keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
@@ -198,9 +167,8 @@ def _build_state(
         config.long_poll_s,
         durable=config.durable,
         metrics=metrics,
-        notify=notify,
     )
-    sessions_ = Sessions(store, journal, admission, notify)
+    sessions_ = Sessions(store, journal, admission)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
     return ServerState(
@@ -211,9 +179,7 @@ def _build_state(
         admission=admission,
         futures=futures_,
         sessions=sessions_,
-        models=TrainingModels(
-            store, journal, sessions_, engines, admission, futures_, bindings, notify
-        ),
+        models=TrainingModels(store, journal, sessions_, engines, admission, futures_, bindings),
         samplers=Samplers(store, journal, sessions_, engines, checkpoints_),
         checkpoints=checkpoints_,
         bindings=bindings,
@@ -351,19 +317,6 @@ def _announce_mode(keyring: KeyRing) -> None:
         )
     else:
         log.info("tenants configured: every request needs an API key")
-
-
-async def _reload_spend(state: ServerState) -> None:
-    """A frontend: what tenants and keys spent, read again every few seconds while spend
-    caps exist (the engine host counts each result as it records it)."""
-    spend = state.admission.spend
-    while True:
-        await asyncio.sleep(SPEND_RELOAD_S)
-        try:
-            if spend is not None and await asyncio.to_thread(spend.caps):
-                await asyncio.to_thread(spend.load)
-        except Exception:
-            log.exception("reading what was spent")
 
 
 async def _reap_idle_sessions(state: ServerState) -> None:

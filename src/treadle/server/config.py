@@ -118,10 +118,6 @@ class ServerConfig(BaseModel):
     error naming the missing seq_id, and the model carries on after it."""
     log_level: str = "info"
     """debug, info, warning or error."""
-    engine_host: bool = True
-    """Run the engines in this process (the hub its workers connect to). With a PostgreSQL
-    database several `treadle serve` processes serve the same sessions: exactly one is the
-    engine host, the others (false) file requests for it and answer polls."""
     engine_processes: bool = True
     """Run each served model's engine in a worker process of its own, started, watched and
     restarted by the server (false: on a thread of the API process)."""
@@ -196,16 +192,6 @@ class ServerConfig(BaseModel):
         if v <= 0:
             raise ValueError(f"must be > 0, got {v}")
         return v
-
-    @model_validator(mode="after")
-    def _frontend_needs_postgres(self) -> ServerConfig:
-        shared = self.resolved_db_url.startswith(("postgresql", "postgres:"))
-        if not self.engine_host and not shared:
-            raise ValueError(
-                "engine_host false: a frontend needs the engine host's PostgreSQL database "
-                f"(--db postgresql://...), got {self.resolved_db_url!r}"
-            )
-        return self
 
     @property
     def resolved_db_url(self) -> str:

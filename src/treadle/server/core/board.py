@@ -10,10 +10,6 @@ when too many pile up.
 A streamed sample op's future also hears its Progress (tokens as they are sampled, never
 recorded): `progress` (any thread) queues them for `updates`, which ends once the outcome
 is in.
-
-With several API processes on one database (treadle.server.core.shared), a result the engine
-host committed reaches the board of the process whose poll waits for it in its stored form
-(a Finished read from the row), which `resolve` takes as well.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from treadle.server.runtime.ops import OpKind, Outcome, Progress
-from treadle.server.storage.queries import Finished
 
 # Undelivered outcomes kept in memory (a client that never polls must not grow the server).
 MAX_KEPT = 4096
@@ -37,7 +32,7 @@ class Filed:
 
     kind: OpKind
     tenant_id: str  # its owner: only they may poll it
-    outcome: Outcome | Finished | None = None
+    outcome: Outcome | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # a streamed op's Progress as it comes, then None once the outcome is in
     updates: asyncio.Queue[Progress | None] | None = None
@@ -70,15 +65,7 @@ class FutureBoard:
     def get(self, request_id: str) -> Filed | None:
         return self._filed.get(request_id)
 
-    def waits(self, request_id: str) -> bool:
-        """Whether a future here has no outcome yet."""
-        entry = self._filed.get(request_id)
-        return entry is not None and entry.outcome is None
-
-    def waiting(self) -> list[str]:
-        return [rid for rid, entry in self._filed.items() if entry.outcome is None]
-
-    def resolve(self, outcomes: list[Outcome] | list[Finished]) -> None:
+    def resolve(self, outcomes: list[Outcome]) -> None:
         """Thread-safe: the outcomes are committed; wake whoever waits on them."""
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._resolve, outcomes)
@@ -102,7 +89,7 @@ class FutureBoard:
             yield item
         entry.updates.put_nowait(None)  # for a second reader
 
-    def _resolve(self, outcomes: list[Outcome] | list[Finished]) -> None:
+    def _resolve(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             rid = outcome.request_id
             entry = self._filed.get(rid)
@@ -112,7 +99,7 @@ class FutureBoard:
             entry.ready.set()
             if entry.updates is not None:
                 entry.updates.put_nowait(None)
-            size = len((outcome.result if isinstance(outcome, Finished) else outcome.body) or b"")
+            size = len(outcome.body or b"")
             self._finished[rid] = size
             self._kept_bytes += size
         while self._finished and (
@@ -122,7 +109,7 @@ class FutureBoard:
             self._filed.pop(oldest, None)
             self._drop_finished(oldest)
 
-    async def wait(self, entry: Filed, timeout: float | None) -> Outcome | Finished | None:
+    async def wait(self, entry: Filed, timeout: float | None) -> Outcome | None:
         """The outcome, or None if `timeout` (None: no limit) passed first."""
         if entry.outcome is None:
             try:

@@ -15,12 +15,6 @@ One database write per request, one per result, both through the journal:
   in-process callers (the typed result, or the error raised as its own class), and
   `updates` a streamed sample's tokens as they come (an SSE stream), before its result.
 
-On a PostgreSQL database several API processes share (treadle.server.core.shared), a
-request filed for an engine the engine host runs (a ForwardEngine) commits its row together
-with a notification that wakes the host; every result is committed with a notification, and
-the process whose poll waits for it reads the row then (`resolve_elsewhere`). A poll of a
-pending request filed by another process waits for that notification too.
-
 A training request refused at the edge still uses up its seq_id (the SDK reserved it, and
 the model's later requests must not wait for it forever): a failed future is filed in its
 place with a "skip" op, then the error goes back to the client.
@@ -49,10 +43,9 @@ from treadle.server.core.board import FutureBoard
 from treadle.server.core.dedup import FiledKeys
 from treadle.server.core.limits import Admission
 from treadle.server.core.metrics import Metrics
-from treadle.server.core.results import encode, error_json, finished_of_row, typed_result
+from treadle.server.core.results import encode, error_json, finished_of_row
 from treadle.server.core.sequences import insert_records
 from treadle.server.runtime.engine_client import EngineClient
-from treadle.server.runtime.forward import Claims, ForwardEngine
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.messages import encode_payload
 from treadle.server.runtime.ops import (
@@ -65,17 +58,14 @@ from treadle.server.runtime.ops import (
     Sample,
     Skip,
 )
-from treadle.server.storage.notify import Notify
 from treadle.server.storage.queries import (
     Finished,
     finish_requests,
-    finished_by_id,
     insert_request,
     request_row,
 )
 from treadle.server.storage.rows import new_id
 from treadle.server.tenancy.auth import Tenant, owns
-from treadle.server.tenancy.spend import current_key_id
 
 log = logging.getLogger("treadle.futures")
 
@@ -97,20 +87,14 @@ class Futures:
         long_poll_s: float,
         metrics: Metrics | None = None,
         durable: bool = True,
-        notify: Notify | None = None,
     ):
         self.journal = journal
-        self.notify = notify  # several API processes on one database
-        # what this process's engines were handed (an engine host on a shared database)
-        self.claims = Claims() if notify is not None else None
         self.durable = durable  # write each op's payload to the op log
         self.board = board
         self.admission = admission
         self.long_poll_s = long_poll_s
         self.metrics = metrics
         self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
-        # streamed samples this engine host runs for another process: their tokens go to it
-        self.relayed: set[str] = set()
 
     # ---- filing ----
     async def file(
@@ -150,7 +134,6 @@ class Futures:
                 raise
         op = Op(new_id(), kind, payload, model_id, seq_id)
         op.encoded = encode_payload(payload)  # the op log entry, and the worker's message body
-        forwarded = isinstance(engine, ForwardEngine)  # the engine host runs it
         values = {
             "request_id": op.request_id,
             "kind": str(kind),
@@ -161,21 +144,13 @@ class Futures:
             "sampling_session_id": sampling_session_id,
             "seq_id": seq_id,
             "dedup_key": key,
-            # the engine host reads a forwarded op from its row
-            "payload": op.encoded if self.durable or forwarded else None,
+            "payload": op.encoded if self.durable else None,
         }
         stream = isinstance(payload, Sample) and payload.stream
         self.expect(op.request_id, kind, tenant.tenant_id, stream=stream)
-        if forwarded:  # the engine host records its figures
-            write = functools.partial(
-                _file_forwarded, values=values, notify=self.notify, key_id=current_key_id()
-            )
-        else:
-            write = functools.partial(insert_request, values=values)
-            if self.metrics is not None:
-                self.metrics.filed(op, values)
-            if self.claims is not None:
-                self.claims.take(op.request_id)
+        write = functools.partial(insert_request, values=values)
+        if self.metrics is not None:
+            self.metrics.filed(op, values)
         committed = self.journal.run(write, then=lambda _: engine.submit(op))
         # bookkeeping in a callback, so that it happens even if this request is cancelled
         committed.add_done_callback(functools.partial(self._settled, key, op.request_id))
@@ -241,11 +216,8 @@ class Futures:
             records = [r for o in outcomes if o.succeeded for r in o.records]
             if records:  # record_stability_info: kept with the result that names them
                 insert_records(conn, records)
-            if self.notify is not None:  # polls in the other API processes
-                self.notify.done(conn, [o.request_id for o in outcomes])
 
         def done(_: Any, error: BaseException | None) -> None:
-            self.relayed.difference_update(o.request_id for o in outcomes)
             resolved = outcomes
             if error is not None:
                 log.error("could not record %d results", len(outcomes), exc_info=error)
@@ -260,14 +232,8 @@ class Futures:
         self.journal.submit(write, done)
 
     def progress(self, items: list[Progress]) -> None:
-        """Any thread: tokens of streamed sample ops, handed to their `updates` readers, or
-        (a stream another API process filed) notified to it, in order, ahead of its result:
-        both go through the journal."""
+        """Any thread: tokens of streamed sample ops, handed to their `updates` readers."""
         self.board.progress(items)
-        away = [p for p in items if p.request_id in self.relayed]
-        if away and self.notify is not None:
-            notify = self.notify
-            self.journal.submit(lambda conn: notify.progress(conn, away), _relayed)
 
     # ---- results ----
     async def poll(self, request_id: str) -> Polled:
@@ -280,19 +246,11 @@ class Futures:
             if outcome is None:
                 return Polled(filed.kind, None)
             self.board.delivered(request_id)
-            return Polled(filed.kind, outcome if isinstance(outcome, Finished) else encode(outcome))
+            return Polled(filed.kind, encode(outcome))
         # Not in memory: a future of a previous run, or one delivered already.
         row = await self.journal.run(functools.partial(request_row, request_id=request_id))
         if row is None or not owns(row["tenant_id"]):
             raise NotFoundError(f"request_id {request_id!r} not found")
-        if row["status"] == "pending" and self.notify is not None:
-            # filed by another API process: wait here for the notification of its result
-            self.expect(request_id, OpKind(row["kind"]), row["tenant_id"])
-            again = await self.journal.run(functools.partial(request_row, request_id=request_id))
-            if again is not None and again["status"] != "pending":  # finished meanwhile
-                self.board.forget(request_id)
-                return Polled(row["kind"], finished_of_row(again))
-            return await self.poll(request_id)
         if row["status"] == "pending":
             # Pending futures stay in memory until their outcome is committed; one pending on
             # disk only was answered already, with the error that its result was not recorded.
@@ -308,8 +266,6 @@ class Futures:
             raise TreadleError(f"request {request_id!r} is not a future of this process")
         outcome = await self.board.wait(filed, None)
         self.board.delivered(request_id)
-        if isinstance(outcome, Finished):  # the engine host ran it: its stored form
-            return typed_result(filed.kind, outcome)
         if outcome.error is not None:
             raise outcome.error.to_exception()
         return outcome.result
@@ -322,27 +278,6 @@ class Futures:
             async for item in self.board.updates(filed):
                 yield item
 
-    # ---- results committed by another API process ----
-    def resolve_elsewhere(self, request_ids: list[str]) -> None:
-        """Event loop: these results are committed; those a poll here waits for are read."""
-        waiting = [rid for rid in request_ids if self.board.waits(rid)]
-        if waiting:
-            asyncio.get_running_loop().create_task(self._read_results(waiting))
-
-    def recheck(self) -> None:
-        """After notifications may have been missed: read every awaited result again."""
-        self.resolve_elsewhere(self.board.waiting())
-
-    async def _read_results(self, request_ids: list[str]) -> None:
-        try:
-            found = await self.journal.run(
-                functools.partial(finished_by_id, request_ids=request_ids)
-            )
-        except Exception:
-            log.exception("reading %d results", len(request_ids))
-            return
-        self.board.resolve(list(found.values()))
-
     # ---- dedup ----
     def _settled(self, key: str | None, rid: str, committed: asyncio.Future) -> None:
         if not committed.cancelled() and committed.exception() is None:
@@ -354,18 +289,6 @@ class Futures:
             self.metrics.forget(rid)
         if key is not None:
             self.keys.failed(key, committed)
-
-
-def _file_forwarded(conn: Any, values: dict[str, Any], notify: Notify, key_id: str | None) -> str:
-    """File a request for the engine host and wake it, in one transaction."""
-    insert_request(conn, values)
-    notify.op(conn, values["request_id"], key_id)
-    return values["request_id"]
-
-
-def _relayed(_: Any, error: BaseException | None) -> None:
-    if error is not None:  # the stream's reader gets the whole answer with its result
-        log.warning("could not relay the tokens of a stream: %s", error)
 
 
 def _clears_with_time(error: Exception) -> bool:

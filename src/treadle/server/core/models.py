@@ -2,12 +2,6 @@
 
 The models this process made are held in memory (the hot path reads no database); one made
 by a previous run is read from its row, to say what became of it.
-
-On a database several API processes share (`notify` given: treadle.server.core.shared), a
-model another process made is adopted on first use (`adopt`): its row read once, its
-engine told of it (on the engine host: its seq_id queue opens; its ops arrive through their
-rows). One another process unloaded is forgotten when its notification arrives
-(`unloaded_elsewhere`), and the engine host frees it.
 """
 
 from __future__ import annotations
@@ -16,10 +10,10 @@ import asyncio
 import functools
 import logging
 
-from sqlalchemy import Connection, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from treadle.errors import InvalidRequestError, NotFoundError, SessionGoneError
+from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
@@ -28,7 +22,6 @@ from treadle.server.registry.bindings import Bindings
 from treadle.server.runtime.journal import Journal
 from treadle.server.runtime.ops import ModelResult, OpKind, Outcome
 from treadle.server.storage.database import Store
-from treadle.server.storage.notify import Notify
 from treadle.server.storage.queries import insert_row, set_model_status
 from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
@@ -46,9 +39,7 @@ class TrainingModels:
         admission: Admission,
         futures: Futures,
         bindings: Bindings,
-        notify: Notify | None = None,
     ):
-        self.notify = notify  # several API processes on one database
         self.store = store
         self.journal = journal
         self.sessions = sessions
@@ -74,9 +65,6 @@ class TrainingModels:
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.sessions.require(row.session_id)
         engine = self.engines.get(row.base_model)
-        if engine is not None and row.status == "active" and not engine.has_model(model_id):
-            if self.notify is not None:  # made by another API process
-                row = self._adopt(row)
         if engine is None or not engine.has_model(model_id):
             if row.unloaded_reason is not None:  # the server gave it up: say why
                 raise NotFoundError(f"{field}: {row.unloaded_reason}")
@@ -85,28 +73,6 @@ class TrainingModels:
                 f"{field}: model {model_id!r} {why}; create a training client from one of its "
                 "checkpoints"
             )
-        return row
-
-    async def adopt(self, model_id: str) -> bool:
-        """The engine host: a model another API process made, for an op of it that arrived
-        (no request context: any tenant's). False if it is not active, nor its session."""
-        row = self._rows.get(model_id)
-        if row is None:
-            row = await asyncio.to_thread(self.store.get, ModelRow, model_id)
-        if row is None or row.status != "active":
-            return False
-        try:
-            self.sessions.require(row.session_id)
-        except (NotFoundError, SessionGoneError):
-            return False
-        self._adopt(row)
-        return True
-
-    def _adopt(self, row: ModelRow) -> ModelRow:
-        row = self._rows.setdefault(row.model_id, row)
-        engine = self.engines.get(row.base_model)
-        if engine is not None and not engine.has_model(row.model_id):
-            engine.add_model(row.model_id)  # made during this host's run: from seq_id 0
         return row
 
     def restore(self, row: ModelRow) -> None:
@@ -179,11 +145,6 @@ class TrainingModels:
         try:
             await self.journal.run(functools.partial(insert_row, cls=ModelRow, values=values))
         except IntegrityError:
-            if model_id not in self._rows and self.notify is not None:
-                # made by an identical request another API process took: that model
-                found = await asyncio.to_thread(self.store.get, ModelRow, model_id)
-                if found is not None and found.status == "active":
-                    return self._adopt(found)
             if model_id not in self._rows:  # made by an identical request meanwhile
                 raise
         if model_id not in self._rows:
@@ -214,7 +175,7 @@ class TrainingModels:
         await self.journal.run(functools.partial(insert_row, cls=RequestRow, values=values))
         row.status = "unloaded"
         self.journal.submit(
-            functools.partial(_unloaded, model_id=model_id, notify=self.notify), _log_error
+            functools.partial(set_model_status, model_id=model_id, status="unloaded"), _log_error
         )
         engine = self.engines.require(row.base_model)
         reason = f"model {model_id!r} was unloaded before this request ran"
@@ -250,21 +211,10 @@ class TrainingModels:
         self._rows.setdefault(row.model_id, row)
         row.status, row.unloaded_reason = "unloaded", reason
         unloaded = functools.partial(
-            _unloaded, model_id=row.model_id, notify=self.notify, reason=reason
+            set_model_status, model_id=row.model_id, status="unloaded", reason=reason
         )
         self.journal.submit(unloaded, _log_error)
         await self.on_session_ended([(row.model_id, row.base_model)], reason)
-
-    async def unloaded_elsewhere(self, model_id: str) -> None:
-        """Another API process unloaded a model: forget it (the engine host frees it)."""
-        row = self._rows.get(model_id)
-        if row is not None:
-            fresh = await asyncio.to_thread(self.store.get, ModelRow, model_id)
-            row.unloaded_reason = fresh.unloaded_reason if fresh is not None else None
-            await self.on_session_ended(
-                [(model_id, row.base_model)],
-                row.unloaded_reason or f"model {model_id!r} was unloaded",
-            )
 
     def find_run(self, run_or_model_id: str) -> ModelRow:
         rows = self.store.query(
@@ -276,14 +226,6 @@ class TrainingModels:
         if not rows:
             raise NotFoundError(f"training run {run_or_model_id!r} not found")
         return rows[0]
-
-
-def _unloaded(
-    conn: Connection, model_id: str, notify: Notify | None, reason: str | None = None
-) -> None:
-    set_model_status(conn, model_id, "unloaded", reason)
-    if notify is not None:  # the other API processes forget it; the engine host frees it
-        notify.model_unloaded(conn, model_id)
 
 
 def _log_error(_: object, error: BaseException | None) -> None:

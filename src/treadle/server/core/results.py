@@ -3,8 +3,8 @@
 Typed results become bytes here, once per result, on the journal thread (never on the
 engine thread or the event loop): ForwardBackwardOutput and SampleResponse as protobuf
 (what the Tinker SDK requires), everything else as JSON. In-process callers (the OpenAI
-routes) use the typed result and never see these bytes, except for a result this process
-no longer holds: a stored row becomes a Finished again, and a stored sample its typed result.
+routes) use the typed result and never see these bytes; a result this process no longer
+holds is read back from its row as a Finished.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 
 from treadle.engine.types import SampleResult, TrainResult
-from treadle.errors import ErrorInfo, TreadleError
-from treadle.server.runtime.forward import sample_result
-from treadle.server.runtime.ops import OpKind, Outcome, Result
+from treadle.errors import ErrorInfo
+from treadle.server.runtime.ops import Outcome
 from treadle.server.storage.queries import Finished
 from treadle.types import SampledSequence, SampleResponse, TensorData
 from treadle.wire import codec
@@ -104,13 +103,3 @@ def finished_of_row(row: dict[str, Any]) -> Finished:
         sampled_tokens=row["sampled_tokens"] or 0,
         train_tokens=row["train_tokens"] or 0,
     )
-
-
-def typed_result(kind: OpKind, finished: Finished) -> Result:
-    """A stored result → what `Futures.result` returns (the OpenAI routes sample), or its
-    error raised as its own class."""
-    if finished.status == "failed":
-        raise error_of(finished.error or {}).to_exception()
-    if kind != OpKind.SAMPLE:
-        raise TreadleError(f"{kind} results are read over HTTP only")
-    return sample_result(finished.result or b"")

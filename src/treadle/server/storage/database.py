@@ -1,8 +1,7 @@
 """The Store: the database connection, its schema, and short ORM reads and writes.
 
-The database is for durability, not signalling: the API and the engine loop wake each other
-through in-process events (treadle.server.core.board), and API processes sharing a
-PostgreSQL database through its LISTEN/NOTIFY (treadle.server.storage.notify). SQLite under
+The database is for durability, not signalling: the API and the engines wake each other
+through in-process events and the workers' sockets, never through rows. SQLite under
 data_dir by default; PostgreSQL with `--db postgresql://user@host/db`. Opening a Store brings
 the schema to the newest revision (treadle.server.storage.migrations). Every Store method
 opens its own short session, so any thread may use it; the request rows of the hot path (a
@@ -40,8 +39,6 @@ class Store:
     def __init__(self, url: str):
         self.url = engine_url(url)
         is_sqlite = self.url.startswith("sqlite")
-        self.shared = self.url.startswith("postgresql")
-        """Whether several API processes may use this database (PostgreSQL)."""
         self.engine = create_engine(
             self.url, connect_args={"check_same_thread": False} if is_sqlite else {}
         )

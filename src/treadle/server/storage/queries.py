@@ -5,19 +5,16 @@ statement each. They are functions of a Connection, run by the journal thread
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 
 from treadle.server.storage.rows import (
     Base,
-    ControlCallRow,
     ModelRow,
     RequestRow,
     SamplingSessionRow,
-    ServedModelRow,
     SessionRow,
     StateSnapshotRow,
     utcnow,
@@ -233,157 +230,3 @@ def record_snapshot(
         .values(payload=None)
     )
     return old.dir if old is not None else None
-
-
-# ---- several API processes on one database (treadle.server.core.shared) ----
-_REQUEST_COLUMNS = (
-    "request_id",
-    "kind",
-    "tenant_id",
-    "base_model",
-    "session_id",
-    "model_id",
-    "sampling_session_id",
-    "seq_id",
-    "status",
-    "payload",
-)
-
-
-def requests_by_id(conn: Connection, request_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """What the engine host needs to run requests another process filed, by request_id."""
-    r = REQUESTS
-    stmt = select(*(r.c[c] for c in _REQUEST_COLUMNS)).where(r.c.request_id.in_(request_ids))
-    return {row.request_id: dict(row._mapping) for row in conn.execute(stmt)}
-
-
-def finished_by_id(conn: Connection, request_ids: list[str]) -> dict[str, Finished]:
-    """The stored results of those of these requests that have finished."""
-    r = REQUESTS
-    cols = (r.c.request_id, *(r.c[c] for c in OUTCOME_COLUMNS))
-    stmt = select(*cols).where(r.c.request_id.in_(request_ids) & (r.c.status != "pending"))
-    out = {}
-    for row in conn.execute(stmt):
-        values = dict(row._mapping)
-        for c in ("prompt_tokens", "sampled_tokens", "train_tokens"):
-            values[c] = values[c] or 0
-        out[row.request_id] = Finished(**values)
-    return out
-
-
-def pending_request_ids(conn: Connection) -> list[str]:
-    """Every unfinished request an engine runs, in the order it was filed (an unload is
-    finished by the process that filed it)."""
-    r = REQUESTS
-    stmt = (
-        select(r.c.request_id)
-        .where((r.c.status == "pending") & (r.c.kind != "unload"))
-        .order_by(r.c.created_at, r.c.seq_id)
-    )
-    return list(conn.execute(stmt).scalars())
-
-
-def touch_sessions(conn: Connection, session_ids: list[str]) -> None:
-    """Signs of life seen just now (the database's clock: API hosts may disagree)."""
-    t = SessionRow.__table__
-    conn.execute(update(t).where(t.c.session_id.in_(session_ids)).values(last_seen_at=func.now()))
-
-
-def silent_sessions(conn: Connection, timeout_s: float) -> list[str]:
-    """Active sessions no API process has heard from for over timeout_s."""
-    t = SessionRow.__table__
-    now = conn.execute(select(func.now())).scalar_one()
-    cutoff = now - dt.timedelta(seconds=timeout_s)
-    seen = func.coalesce(t.c.last_seen_at, t.c.created_at)
-    stmt = select(t.c.session_id).where((t.c.status == "active") & (seen < cutoff))
-    return list(conn.execute(stmt).scalars())
-
-
-def session_statuses(conn: Connection, session_ids: list[str]) -> dict[str, str]:
-    t = SessionRow.__table__
-    stmt = select(t.c.session_id, t.c.status).where(t.c.session_id.in_(session_ids))
-    return {sid: status for sid, status in conn.execute(stmt)}
-
-
-def held_by_tenant(conn: Connection, tenant_id: str) -> tuple[int, int]:
-    """(active sessions, adapters held: active models + samplers loaded from checkpoints
-    in active sessions) of a tenant, over every API process."""
-    sessions, models = SessionRow.__table__, ModelRow.__table__
-    samplers = SamplingSessionRow.__table__
-    active = conn.execute(
-        select(func.count())
-        .select_from(sessions)
-        .where((sessions.c.tenant_id == tenant_id) & (sessions.c.status == "active"))
-    ).scalar_one()
-    trained = conn.execute(
-        select(func.count())
-        .select_from(models)
-        .where((models.c.tenant_id == tenant_id) & (models.c.status == "active"))
-    ).scalar_one()
-    loaded = conn.execute(
-        select(func.count())
-        .select_from(samplers.join(sessions, sessions.c.session_id == samplers.c.session_id))
-        .where(
-            (samplers.c.tenant_id == tenant_id)
-            & samplers.c.engine_ref.like("sampler:%")
-            & (sessions.c.status == "active")
-        )
-    ).scalar_one()
-    return int(active), int(trained) + int(loaded)
-
-
-def served_models(conn: Connection) -> dict[str, dict[str, Any]]:
-    """The facts of every model the engine host announced, by name."""
-    t = ServedModelRow.__table__
-    return {row.name: dict(row._mapping) for row in conn.execute(select(t))}
-
-
-def announce_model(conn: Connection, facts: dict[str, Any]) -> None:
-    """Write a served model's facts (name, vocab_size, max_seq_len, max_lora_rank, arch)."""
-    t = ServedModelRow.__table__
-    conn.execute(delete(t).where(t.c.name == facts["name"]))
-    conn.execute(insert(t), {**facts, "updated_at": utcnow()})
-
-
-CALLS = ControlCallRow.__table__
-
-
-def insert_call(conn: Connection, values: dict[str, Any]) -> None:
-    conn.execute(insert(CALLS), {**values, "status": "pending", "created_at": utcnow()})
-
-
-def claim_call(conn: Connection, call_id: str) -> dict[str, Any] | None:
-    """Take a pending control call to run it (once: a call already taken gives None)."""
-    t = CALLS
-    found = conn.execute(
-        update(t)
-        .where((t.c.call_id == call_id) & (t.c.status == "pending"))
-        .values(status="running")
-        .returning(t.c.call_id, t.c.base_model, t.c.name, t.c.args)
-    ).first()
-    return dict(found._mapping) if found is not None else None
-
-
-def finish_call(conn: Connection, call_id: str, error: dict[str, Any] | None) -> None:
-    t = CALLS
-    status = "done" if error is None else "failed"
-    conn.execute(
-        update(t)
-        .where(t.c.call_id == call_id)
-        .values(status=status, error=error, finished_at=utcnow())
-    )
-
-
-def call_answer(conn: Connection, call_id: str) -> tuple[str, dict[str, Any] | None] | None:
-    """(status, error) of a finished control call, None while it runs."""
-    t = CALLS
-    found = conn.execute(select(t.c.status, t.c.error).where(t.c.call_id == call_id)).first()
-    if found is None or found.status in ("pending", "running"):
-        return None
-    return found.status, found.error
-
-
-def pending_call_ids(conn: Connection) -> list[str]:
-    t = CALLS
-    stmt = select(t.c.call_id).where(t.c.status == "pending").order_by(t.c.created_at)
-    return list(conn.execute(stmt).scalars())

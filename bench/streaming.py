@@ -51,10 +51,10 @@ from treadle.engine.engine import Engine  # noqa: E402
 from treadle.engine.tiny import make_tiny_model  # noqa: E402
 from treadle.engine.types import SampleRequest, SampleSpec  # noqa: E402
 from treadle.launch import ServerProcess  # noqa: E402
-from treadle.server.runtime.engine_client import EngineFacts  # noqa: E402
-from treadle.server.runtime.engine_loop import EngineLoop  # noqa: E402
-from treadle.server.runtime.executor import OpExecutor  # noqa: E402
-from treadle.server.runtime.ops import Op, OpKind, Outcome, Sample  # noqa: E402
+from treadle.protocol.facts import EngineFacts  # noqa: E402
+from treadle.protocol.ops import Op, OpKind, Outcome, Sample  # noqa: E402
+from treadle.worker.executor import OpExecutor  # noqa: E402
+from treadle.worker.loop import EngineLoop  # noqa: E402
 
 NAME = "bench/tiny-llama"
 

@@ -92,7 +92,7 @@ class EngineDeadError(TreadleError, RuntimeError):
 
 class DeviceFaultError(TreadleError, RuntimeError):
     """The request was running each time its engine's device failed, each time in a fresh
-    worker process (treadle.server.runtime.faults): it is not run again."""
+    worker process (treadle.protocol.faults): it is not run again."""
 
     status = 500
 

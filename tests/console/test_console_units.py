@@ -18,16 +18,8 @@ from sqlalchemy import select
 from treadle.engine.types import AdamSpec, SampledSeq, SampleRequest, SampleResult, TrainDatum
 from treadle.engine.types import TrainResult as EngineTrainResult
 from treadle.errors import QuotaExceededError
-from treadle.server.config import InputLimits, Price
-from treadle.server.core import timeline
-from treadle.server.core.board import FutureBoard
-from treadle.server.core.figures import check_user_metrics
-from treadle.server.core.futures import Futures
-from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics
-from treadle.server.runtime.engine_client import EngineFacts
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import (
+from treadle.protocol.facts import EngineFacts
+from treadle.protocol.ops import (
     Op,
     OpKind,
     OptimResult,
@@ -37,7 +29,15 @@ from treadle.server.runtime.ops import (
     TrainData,
     Usage,
 )
+from treadle.server.config import InputLimits, Price
+from treadle.server.core import timeline
+from treadle.server.core.board import FutureBoard
+from treadle.server.core.figures import check_user_metrics
+from treadle.server.core.futures import Futures
+from treadle.server.core.limits import Admission
+from treadle.server.core.metrics import Metrics
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import OpRecordRow, RequestRow, StepFigureRow, utcnow
 from treadle.server.tenancy import spend, tenants
 from treadle.server.tenancy.auth import DEV_TENANT, Tenant
@@ -54,9 +54,6 @@ class Engine:
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
-
-    def check_seq(self, model_id: str, seq_id: int) -> None:
-        pass
 
     def submit(self, op: Op) -> None:
         self.ops.append(op)

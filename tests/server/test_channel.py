@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from treadle.server.runtime.channel import Channel
+from treadle.protocol.channel import Channel
 
 
 def test_many_threads_send_in_order_and_a_ping_pong_never_stalls() -> None:

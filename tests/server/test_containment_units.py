@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from treadle.artifacts import folders as artifacts
 from treadle.engine.types import TrainDatum
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import Op, OpKind, TrainData
 from treadle.server.core import validation
-from treadle.server.runtime.ops import Op, OpKind, TrainData
-from treadle.server.runtime.scheduler import (
+from treadle.wire import requests as rq
+from treadle.worker.scheduler import (
     ModelQueue,
     ParkLimits,
     enqueue,
@@ -23,8 +25,6 @@ from treadle.server.runtime.scheduler import (
     op_bytes,
     plan_round,
 )
-from treadle.server.storage import artifacts
-from treadle.wire import requests as rq
 
 
 def train_op(seq: int, tokens: int = 4, at: float = 0.0) -> Op:

@@ -23,10 +23,8 @@ from treadle.engine.types import (
     SampleSpec,
     TrainDatum,
 )
-from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
-from treadle.server.runtime.engine_loop import EngineLoop
-from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.ops import (
+from treadle.protocol.facts import EngineFacts, SnapshotPolicy
+from treadle.protocol.ops import (
     CreateAdapter,
     Op,
     OpKind,
@@ -37,7 +35,9 @@ from treadle.server.runtime.ops import (
     Snapshot,
     TrainData,
 )
-from treadle.server.runtime.scheduler import ModelQueue, yield_decode
+from treadle.worker.executor import OpExecutor
+from treadle.worker.loop import EngineLoop
+from treadle.worker.scheduler import ModelQueue, yield_decode
 
 torch.set_num_threads(1)
 WAIT = 120
@@ -275,7 +275,7 @@ def test_a_sampler_dropped_mid_generation_is_freed_when_it_ends(loop, engine, tm
     loop.submit(sample_op("gen", max_tokens=64, seed=7, adapter="ck:1", stream=True))
     log.wait(lambda: streamed_tokens(log, "gen") >= 2)
     loop.control("drop_ref", ref="ck:1").result(WAIT)
-    assert not loop.is_live("ck:1") and "ck:1" in engine.bank  # gone for new requests only
+    assert not loop.executor.is_live("ck:1") and "ck:1" in engine.bank  # gone for new requests only
     log.wait(lambda: "gen" in log.outcomes)
     assert len(log.outcomes["gen"].result.sequences[0].tokens) == 64
     assert "ck:1" not in engine.bank

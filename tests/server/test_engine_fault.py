@@ -36,14 +36,14 @@ from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.engine.device_faults import device_usable, is_device_fault
 from treadle.errors import InvalidRequestError
 from treadle.launch import ServerProcess
-from treadle.sandbox.cgroup import RunCgroup, find_cgroups
-from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, MAX_FAULTS
-from treadle.worker.flight_recorder import (
+from treadle.protocol.faults import EXIT_ENGINE_FAULT, MAX_FAULTS
+from treadle.protocol.flight_recorder import (
     FlightRecorder,
     clear_crash_logs,
     read_crash,
     read_running,
 )
+from treadle.sandbox.cgroup import RunCgroup, find_cgroups
 
 TINY = "treadle/tiny-llama"
 POISON = [13, 13, 13, 13, 13]
@@ -107,7 +107,7 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
     engine.Engine.sample = sample_all
     sample.DecodeBatch.add = add
 
-    from treadle.server.runtime import live_weights
+    from treadle.worker import live_weights
 
     CRASH_RESTORE = os.path.join(os.path.dirname(__file__), "crash-restore")
     real_restore = live_weights.LiveWeights.restore_model
@@ -175,7 +175,7 @@ def test_the_flight_recorder_outlives_its_process(tmp_path):
     path = tmp_path / "w.running"
     script = (
         "import os, signal, sys\n"
-        "from treadle.worker.flight_recorder import FlightRecorder, keep_crash_log\n"
+        "from treadle.protocol.flight_recorder import FlightRecorder, keep_crash_log\n"
         "os.environ['TREADLE_FLIGHT_RECORDER'] = sys.argv[1]\n"
         "keep_crash_log(0)\n"
         "r = FlightRecorder(sys.argv[1])\n"

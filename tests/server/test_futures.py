@@ -11,33 +11,28 @@ import threading
 import pytest
 
 from treadle.engine.types import AdamSpec, SampledSeq, SampleRequest, SampleResult
-from treadle.errors import InvalidRequestError, NotFoundError, QuotaExceededError
+from treadle.errors import NotFoundError, QuotaExceededError
+from treadle.protocol.facts import EngineFacts
+from treadle.protocol.ops import Op, OpKind, OptimResult, OptimStep, Outcome, Sample
 from treadle.server.config import InputLimits
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
-from treadle.server.runtime.engine_client import EngineFacts
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import Op, OpKind, OptimResult, OptimStep, Outcome, Sample
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import request_row
 from treadle.server.tenancy.auth import DEV_TENANT
 from treadle.server.tenancy.quotas import QuotaBook, Quotas
 
 
 class RecordingEngine:
-    """Stands in for an engine handle: records queued ops; seq_ids below `next_seq` ran."""
+    """Stands in for an engine handle: records queued ops."""
 
     facts = EngineFacts("m", vocab_size=10, max_seq_len=16, max_lora_rank=8)
     name = "m"
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
-        self.next_seq = 0
-
-    def check_seq(self, model_id: str, seq_id: int) -> None:
-        if seq_id < self.next_seq or any(o.seq_id == seq_id for o in self.ops):
-            raise InvalidRequestError(f"seq_id: {seq_id} was already used")
 
     def submit(self, op: Op) -> None:
         self.ops.append(op)
@@ -73,12 +68,14 @@ def test_resubmissions_are_recognised_after_memory_lets_their_keys_go(tmp_path):
         assert len(engine.ops) == 2  # recognised in memory: not queued again
 
         futures.keys.clear()  # as if many later requests had pushed these keys out
-        engine.next_seq, engine.ops = 2, []  # seq 1 has run
+        engine.ops = []
         assert await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, seq_id=1, **kw) == train
         assert await futures.file(engine, OpKind.SAMPLE, SAMPLE, seq_id=7, **sample_kw) == sample
         assert engine.ops == []  # found in the database: nothing runs twice
-        with pytest.raises(InvalidRequestError, match="seq_id"):  # never filed: refused
-            await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, seq_id=0, **kw)
+        # a seq_id never filed is handed on: its worker runs it in order, or refuses it if
+        # the model has moved past it (tests/server/test_scheduler.py)
+        await futures.file(engine, OpKind.OPTIM_STEP, OPTIM, seq_id=0, **kw)
+        assert [op.seq_id for op in engine.ops] == [0]
 
     run(tmp_path, scenario)
 

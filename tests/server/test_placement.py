@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from treadle.server.config import ServerConfig
-from treadle.server.runtime.placement import plan_gpus, visible_gpus
-from treadle.server.runtime.supervisor import Supervisor
+from treadle.server.engines.placement import plan_gpus, visible_gpus
+from treadle.server.engines.supervisor import Supervisor
 
 
 def _config(**kw) -> ServerConfig:

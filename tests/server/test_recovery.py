@@ -389,8 +389,8 @@ def test_samplers_of_saved_checkpoints_come_back_after_a_kill(tiny_model_dir, tm
     """A sampling client made from a saved checkpoint (its tinker path, or its model package
     version GROUP:N) samples the same tokens after the server is killed and started again;
     one of an encrypted version cannot (the server never keeps the key) and says so."""
+    from treadle.artifacts.encryption import new_key
     from treadle.errors import NotFoundError
-    from treadle.server.storage.encryption import new_key
 
     server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data").start()
     prompt, params = ModelInput.from_ints([5, 6, 7]), SamplingParams(max_tokens=6, temperature=0)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.artifacts import encryption
 from treadle.client.errors import APIError, BadRequestError, NotFoundError
 from treadle.client.transport import RetryPolicy
 from treadle.launch import ServerProcess
-from treadle.server.storage import encryption
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")

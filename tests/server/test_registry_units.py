@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from treadle.artifacts import encryption
 from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.protocol.ops import PackageTarget
 from treadle.server.registry import names, sources
 from treadle.server.registry import versions as registry
-from treadle.server.runtime.ops import PackageTarget
-from treadle.server.storage import encryption
 from treadle.server.storage.database import Store
 
 

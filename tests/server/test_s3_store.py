@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from treadle.artifacts import encryption, stores
 from treadle.errors import InvalidRequestError
 from treadle.launch import free_port
+from treadle.protocol.ops import PackageTarget
 from treadle.server.registry import versions as registry
-from treadle.server.runtime.ops import PackageTarget
-from treadle.server.storage import encryption, stores
 from treadle.server.storage.database import Store
 
 boto3 = pytest.importorskip("boto3")

@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.engine.types import AdamSpec, SampleRequest, TrainDatum, TrainResult
+from treadle.engine.types import AdamSpec, LoraSpec, SampleRequest, TrainDatum, TrainResult
 from treadle.errors import EngineDeadError, ErrorInfo, InvalidRequestError
-from treadle.server.runtime import engine_loop
-from treadle.server.runtime.engine_client import EngineFacts
-from treadle.server.runtime.engine_loop import EngineLoop
-from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.faults import EngineFault, restore_id
-from treadle.server.runtime.ops import (
+from treadle.protocol.facts import EngineFacts
+from treadle.protocol.faults import EngineFault, restore_id
+from treadle.protocol.ops import (
+    CreateAdapter,
     Op,
     OpKind,
     OptimStep,
@@ -29,7 +27,10 @@ from treadle.server.runtime.ops import (
     Skip,
     TrainData,
 )
-from treadle.server.runtime.scheduler import ModelQueue, plan_round
+from treadle.worker import loop as engine_loop
+from treadle.worker.executor import OpExecutor
+from treadle.worker.loop import EngineLoop
+from treadle.worker.scheduler import ModelQueue, plan_round
 
 FACTS = EngineFacts("fake", vocab_size=10, max_seq_len=16, max_lora_rank=8)
 
@@ -43,6 +44,8 @@ def payload_of(kind: OpKind, n_tokens: int = 2, loss: str = "cross_entropy"):
         return OptimStep(AdamSpec())
     if kind == OpKind.SAMPLE:
         return Sample(SampleRequest([1, 2]))
+    if kind == OpKind.CREATE:
+        return CreateAdapter(LoraSpec())
     return Skip(ErrorInfo("InvalidRequestError", "refused at the edge", "user"))
 
 
@@ -170,6 +173,10 @@ class FakeEngine:
             for b in batches
         ]
 
+    def create_adapter(self, adapter_id, spec):
+        with self.lock:
+            self.calls.append([f"create:{adapter_id}"])
+
     def optim_step(self, adapter_id, spec):
         with self.lock:
             self.calls.append([f"optim:{adapter_id}"])
@@ -231,6 +238,33 @@ def test_worker_waits_for_the_gap_then_runs_in_seq_order():
         worker.stop()
     assert collect.order == ["a:0", "a:1", "a:2", "a:3"]
     assert engine.calls == [["a"], ["a"], ["a"], ["optim:a"]]  # a loss change: no merging
+
+
+def test_the_worker_owns_its_models_order_and_refuses_a_seq_id_used_before():
+    """The API files every seq_id once (its dedup key is unique); the worker keeps the order:
+    a seq_id the model has run, or one already queued, fails as its own future; a model's
+    queue opens with its create op, and an op of a model it never made fails too."""
+    engine = FakeEngine()
+    worker, collect = make_worker(engine, expect=5)
+    worker.start()
+    try:
+        worker.submit(Op("a:0", OpKind.CREATE, payload_of(OpKind.CREATE), "a", 0))
+        worker.submit(train_op("a", 2))  # waits for 1
+        worker.submit(Op("again:2", OpKind.OPTIM_STEP, OptimStep(AdamSpec()), "a", 2))
+        worker.submit(train_op("a", 1))
+        deadline = time.monotonic() + 10
+        while "a:2" not in collect.outcomes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.submit(Op("late:1", OpKind.OPTIM_STEP, OptimStep(AdamSpec()), "a", 1))
+        worker.submit(train_op("never", 1))
+        assert collect.done.wait(10)
+    finally:
+        worker.stop()
+    assert all(collect.outcomes[r].succeeded for r in ("a:0", "a:1", "a:2"))
+    assert "already queued" in collect.outcomes["again:2"].error.message
+    late = collect.outcomes["late:1"].error
+    assert late.type == "InvalidRequestError" and "continues from seq_id 3" in late.message
+    assert "unloaded" in collect.outcomes["never:1"].error.message
 
 
 def test_worker_runs_the_chunks_of_a_batch_as_one_engine_call():
@@ -310,8 +344,6 @@ def test_a_dead_loop_fails_every_pending_future_and_every_later_one(monkeypatch)
             time.sleep(0.01)
         worker.submit(train_op("a", 1))  # after the loop died: failed at once, never queued
         assert collect.done.wait(10)
-        with pytest.raises(EngineDeadError, match="scheduler bug"):
-            worker.check_seq("a", 2)
     finally:
         worker.stop()
     assert {o.error.type for o in collect.outcomes.values()} == {"EngineDeadError"}

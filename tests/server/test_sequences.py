@@ -13,10 +13,10 @@ from sqlalchemy import select, update
 
 from treadle.engine.types import TrainDatum
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import SequenceRecord, TrainData
 from treadle.server.core import sequences
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import SequenceRecord, TrainData
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import SampledSequenceRow, utcnow
 from treadle.wire.codec import Span
 

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
+from treadle.artifacts import folders as artifacts
 from treadle.engine.types import TrainResult
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import OpKind, Outcome
 from treadle.server.config import ServerConfig, parse_model_arg
 from treadle.server.core.board import FutureBoard
-from treadle.server.runtime.ops import OpKind, Outcome
-from treadle.server.storage import artifacts
 
 
 def test_parse_model_arg(tmp_path):
@@ -116,8 +116,8 @@ def test_board_lets_go_of_delivered_and_of_the_oldest_undelivered_outcomes():
 def test_journal_commits_a_batch_and_isolates_a_failing_write(tmp_path):
     from sqlalchemy import create_engine, select
 
-    from treadle.server.runtime.journal import Journal
     from treadle.server.storage.database import Store
+    from treadle.server.storage.journal import Journal
     from treadle.server.storage.queries import REQUESTS, insert_row
     from treadle.server.storage.rows import RequestRow
 

@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _worker(args: argparse.Namespace) -> None:
     from treadle.server.config import ServerConfig, flag_values, parse_model_arg
+    from treadle.server.engines.supervisor import group_args, worker_config
     from treadle.server.main import configure_process
     from treadle.worker.process import run_worker
 
@@ -45,12 +46,11 @@ def _worker(args: argparse.Namespace) -> None:
     config = ServerConfig(**{**settings, **flag_values(args), "models": models})
     if config.devices > 1 and "WORLD_SIZE" not in os.environ:
         # `treadle worker --devices N`: this same command as N torchrun ranks on this machine
-        from treadle.server.runtime.supervisor import group_args
-
         torchrun = [sys.executable, "-m", "torch.distributed.run", *group_args(config.devices)]
         os.execv(sys.executable, [*torchrun, "-m", "treadle.cli", *args.argv])
     configure_process(config)
-    run_worker(config, args.connect, replica=args.replica)
+    (name, path), *_ = models.items()
+    run_worker(worker_config(config, name, path), args.connect, replica=args.replica)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica", type=int, default=-1, help="which replica of the model (-1: any free one)"
     )
     p.add_argument("--config", help="a JSON file of server settings (see ServerConfig)")
-    serve_flags(p)  # the engine's settings: --data-dir, --db, --dtype, --device, ...
+    serve_flags(p)  # the engine's settings: --data-dir, --dtype, --device, ... (--db unused)
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("make-tiny-model", help="build a small random model folder offline")

@@ -66,7 +66,7 @@ class ServiceClient:
         """`model_package_group` / `output_path`: defaults for the training clients made
         here (their saves become versions of that group, stored under output_path: an
         s3://bucket/prefix or a server folder). `encryption_key`: a 32-byte AES key (base64
-        or hex; see treadle.server.storage.encryption.new_key) sent with every request, never stored
+        or hex; see treadle.artifacts.encryption.new_key) sent with every request, never stored
         by the server: versions are stored encrypted with it and read back only with it.
 
         The managed service's names are accepted too (treadle.client.porting):

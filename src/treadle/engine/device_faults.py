@@ -1,4 +1,4 @@
-"""Which errors leave a device unusable (what the server does then: treadle.server.runtime.faults).
+"""Which errors leave a device unusable (what the server does then: treadle.protocol.faults).
 
 A CUDA error other than out-of-memory (an illegal address, a device-side assert, an ECC
 error, a lost device) poisons the process's CUDA context: every later call on it fails too,

@@ -28,7 +28,7 @@ GROUP_BROKEN, torchrun ends the other ranks, and whoever started it starts a new
 which the API restores as it restores one restarted worker process. An outcome is never
 reported from a broken group. A rank whose device a call left unusable
 (treadle.engine.device_faults) makes every rank raise AcceleratorError for it, so that rank
-0's worker reports the fault and the ops it hit (treadle.server.runtime.faults) and exits.
+0's worker reports the fault and the ops it hit (treadle.protocol.faults) and exits.
 """
 
 from __future__ import annotations

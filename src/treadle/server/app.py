@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
-import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from treadle.errors import EngineDeadError, TreadleError
+from treadle.artifacts import folders as artifacts
+from treadle.errors import TreadleError
 from treadle.server.api import errors as api_errors
 from treadle.server.api.console import data as console_data
 from treadle.server.api.console import pages as console_pages
 from treadle.server.api.console.gate import ConsoleGate
+from treadle.server.api.middleware import TenantMiddleware
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
 from treadle.server.api.tinker import (
@@ -42,46 +42,33 @@ from treadle.server.config import ServerConfig
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
 from treadle.server.core.console import ConsoleViews
-from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.metrics import Metrics
 from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
+from treadle.server.core.saves import retain_after
 from treadle.server.core.sessions import Sessions
 from treadle.server.core.state import ServerState
+from treadle.server.engines.served import Engines
+from treadle.server.engines.threads import EngineFactory, default_engine_factory
+from treadle.server.engines.workers import Hooks, Workers
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
-from treadle.server.runtime.checkpoint_writer import CheckpointWriter
-from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
-from treadle.server.runtime.engine_loop import EngineLoop
-from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.hub import WorkerHub
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.remote import TOKEN_ENV, RemoteEngine
-from treadle.server.runtime.replicas import ReplicatedEngine
-from treadle.server.runtime.scheduler import ParkLimits
-from treadle.server.runtime.supervisor import Supervisor
-from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
-from treadle.server.tenancy.auth import KeyRing, TenantMiddleware, install_tenant_filter
+from treadle.server.storage.journal import Journal
+from treadle.server.tenancy.auth import KeyRing, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
 from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
 
 log = logging.getLogger("treadle.server")
 
-EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config) → Engine
-
-
-def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
-    from treadle.engine.engine import Engine
-
-    return Engine(model_dir, dtype=config.dtype, device=config.device, model_name=name)
-
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None) -> FastAPI:
+    """The app; `engine_factory` makes the Engine of each worker thread when engines run in
+    this process (engine_processes false: tests plant faults through it)."""
     make_engine = engine_factory or default_engine_factory
 
     @contextlib.asynccontextmanager
@@ -95,11 +82,17 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         journal.start()
         state = _build_state(config, store, journal, asyncio.get_running_loop())
         recovery = Recovery(state)
-        engines = (
-            _ProcessEngines(config, state, recovery)
-            if config.engine_processes
-            else _ThreadEngines(config, state, recovery, make_engine)
+        hooks = Hooks(
+            on_outcomes=state.futures.finish,
+            on_progress=state.futures.progress,
+            on_snapshot=recovery.snapshot_written,
+            restore=recovery.restore_engine,
+            models_of=lambda name: [r.model_id for r in state.models.rows_of(name)],
         )
+        workers = Workers(config, hooks, make_engine)
+        for handle in workers.handles_for(asyncio.get_running_loop()):
+            state.engines.add(handle)
+        recovery.load()
         # what tenants and keys spent this day and month, before any engine runs
         await asyncio.to_thread(state.admission.spend.load)
         app.state.console = ConsoleViews(
@@ -108,7 +101,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         state.futures.metrics.start()
         tasks: list[asyncio.Task] = []
         try:
-            await engines.start()
+            await workers.start()
             for name, path in config.models.items():
                 state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
             app.state.server = state
@@ -120,7 +113,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         finally:
             for task in tasks:
                 task.cancel()
-            await engines.stop()  # first: their last outcomes go to the journal
+            await workers.stop()  # first: their last outcomes go to the journal
             await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
             journal.stop()
             remove_filter()
@@ -168,6 +161,7 @@ def _build_state(
         durable=config.durable,
         metrics=metrics,
     )
+    futures_.after_saves = functools.partial(retain_after, store)
     sessions_ = Sessions(store, journal, admission)
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
@@ -188,125 +182,10 @@ def _build_state(
     )
 
 
-def park_limits(config: ServerConfig) -> ParkLimits:
-    return ParkLimits(config.max_parked_ops, config.max_parked_bytes, config.parked_op_timeout_s)
-
-
 def _tokenizer_dir(model_path: str, config: ServerConfig) -> Path:
     from treadle.engine.models import tokenizer_folder
 
     return tokenizer_folder(model_path, Path(config.data_dir) / "tokenizers")
-
-
-class _ThreadEngines:
-    """Each model's engine on a thread of this process (engine_processes false)."""
-
-    def __init__(self, config: ServerConfig, state: ServerState, recovery: Recovery, make: Any):
-        self.config, self.state, self.recovery, self.make = config, state, recovery, make
-
-    async def start(self) -> None:
-        config, state = self.config, self.state
-        for name, path in config.models.items():
-            log.info("loading model %s from %s", name, path)
-            engine = await asyncio.to_thread(self.make, name, path, config)
-            writer = CheckpointWriter(engine, state.store, state.journal, config.artifacts_dir)
-            executor = OpExecutor(
-                engine, writer, config.max_snapshots_per_model, state_root=config.state_dir
-            )
-            state.engines.add(
-                EngineLoop(
-                    EngineFacts.of(name, engine),
-                    executor,
-                    state.futures.finish,
-                    config.max_sample_batch,
-                    max_merge_tokens=config.max_merge_tokens,
-                    on_snapshot=self.recovery.snapshot_written if config.durable else None,
-                    snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
-                    park=park_limits(config),
-                    on_progress=state.futures.progress,
-                )
-            )
-        self.recovery.load()
-        for engine in state.engines.all():
-            engine.start()
-            try:
-                await self.recovery.restore_engine(engine)
-            except EngineDeadError:  # no process to restart here: its requests say so
-                log.exception("the engine of %s stopped while restoring its models", engine.name)
-
-    async def stop(self) -> None:
-        for engine in self.state.engines.all():
-            await _drain(engine, self.config.drain_timeout_s)
-            engine.stop()
-
-
-async def _drain(engine: EngineLoop, timeout_s: float) -> None:
-    """Run what was acknowledged (up to timeout_s), then write every model's state."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while engine.busy() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    try:
-        await asyncio.wait_for(engine.snapshot_all(), timeout_s)
-    except Exception:
-        log.exception("final snapshots of %s failed", engine.name)
-
-
-class _ProcessEngines:
-    """Each model's engine in a worker process, connected through the hub."""
-
-    def __init__(self, config: ServerConfig, state: ServerState, recovery: Recovery):
-        self.config, self.state, self.recovery = config, state, recovery
-        token = config.worker_token or os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
-        self.hub = WorkerHub(config.worker_address, token)
-        self.supervisor: Supervisor | None = None
-
-    async def start(self) -> None:
-        config, state = self.config, self.state
-        loop = asyncio.get_running_loop()
-        for name in config.models:
-
-            def replica(index: int, on_ready: Any, name: str = name) -> RemoteEngine:
-                return RemoteEngine(
-                    name,
-                    self.hub,
-                    state.futures.finish,
-                    self.recovery.snapshot_written,
-                    on_ready,
-                    loop,
-                    config.engine_down_timeout_s,
-                    replica=index,
-                    on_progress=state.futures.progress,
-                )
-
-            group = ReplicatedEngine(
-                name,
-                replica,
-                self.recovery.restore_engine,
-                loop,
-                replicas=config.replicas,
-                failover_after_s=config.failover_after_s,
-            )
-            self.hub.engines[name] = group
-            state.engines.add(group)
-        self.recovery.load()
-        self.hub.start()
-        log.info("workers connect to %s", self.hub.address)
-        if config.start_workers:
-            self.supervisor = Supervisor(
-                config, self.hub.address, self.hub.token, self.hub.worker_exited
-            )
-            self.supervisor.start()
-        groups = list(self.hub.engines.values())
-        while not all(r.ready for g in groups for r in g.replicas):  # every model restored
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        if self.supervisor is not None:  # the workers drain on SIGTERM, then exit
-            await asyncio.to_thread(self.supervisor.stop)
-        else:
-            for group in self.hub.engines.values():
-                group.stop()
-        self.hub.stop()
 
 
 def _announce_mode(keyring: KeyRing) -> None:

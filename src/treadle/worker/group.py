@@ -18,7 +18,7 @@ How a group ends:
   outcome; torchrun ends whatever rank is left and exits; the supervisor (or the operator's
   own restart policy) starts a new group, which the API restores like one worker process
   (a rank that crashed left its crash log, by which the supervisor blames the ops rank 0
-  was running: treadle.worker.flight_recorder);
+  was running: treadle.protocol.flight_recorder);
 - torchrun itself is killed: every rank dies with it (PR_SET_PDEATHSIG).
 """
 
@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 
-from treadle.server.config import ServerConfig
+from treadle.protocol.worker_config import WorkerConfig
 
 log = logging.getLogger("treadle.worker.group")
 
@@ -38,24 +38,21 @@ def in_group() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def run_group(config: ServerConfig, address: str, token: str, replica: int = -1) -> None:
+def run_group(config: WorkerConfig, address: str, token: str, replica: int = -1) -> None:
     """`treadle worker` as one rank of a worker group."""
     import torch.distributed as dist
 
-    from treadle.engine import Engine
     from treadle.engine.distributed import DistributedEngine, init_group
-    from treadle.worker.process import Worker
+    from treadle.worker.process import Worker, load_engine
 
     _die_with_parent()
-    (name, path), *_ = config.models.items()
     group = init_group(config.device, config.shard)
     # FSDP: the whole base is read into host memory first, then sharded onto the devices
-    load_on = "cpu" if group.fsdp else str(group.device)
-    engine = Engine(path, dtype=config.dtype, device=load_on, model_name=name)
+    engine = load_engine(config, device="cpu" if group.fsdp else str(group.device))
     dist_engine = DistributedEngine(engine, group)
-    log.info("rank %d of %d: %s on %s", group.rank, group.world, name, dist_engine.placement)
+    log.info("rank %d of %d: %s on %s", group.rank, group.world, config.name, dist_engine.placement)
     if group.leader:
-        worker = Worker(config, name, path, address, token, replica, engine=dist_engine)
+        worker = Worker(config, address, token, replica, engine=dist_engine)
         signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
         worker.run()
         dist_engine.release()

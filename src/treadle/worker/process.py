@@ -1,23 +1,27 @@
-"""An engine worker process: the Engine, its loop and executor, and a socket to the API.
+"""An engine worker: the Engine, its loop and executor, and a socket to the API.
 
     treadle worker --model treadle/tiny-llama=.models/tiny-llama --connect tcp://127.0.0.1:5555
     torchrun --nproc-per-node 2 -m treadle.cli worker --model ... --connect ...   # a group
 
-The worker loads its model, connects to the API's hub (treadle.server.runtime.remote) and
-says HELLO with the hub's token (TREADLE_WORKER_TOKEN). It then runs the ops it is sent
-through the same EngineLoop the in-process mode uses, and sends back outcomes, sampler-ref
-changes and state snapshots. It writes checkpoint rows to the database itself (as the
-in-process engine thread does), so it needs the server's --data-dir / --db.
+The worker loads its model, connects to the API's hub (treadle.server.engines.hub) and says
+HELLO with the hub's token (TREADLE_WORKER_TOKEN). It then runs the ops it is sent through
+its EngineLoop (treadle.worker.loop), and sends back outcomes, sampler-ref changes and state
+snapshots. It writes checkpoint files and state snapshots under the data folder, and no
+database rows: a save's rows travel on its outcome (treadle.worker.checkpoints).
 
-An engine fault (treadle.server.runtime.faults: a device left unusable, or the engine loop
-dead) ends the process at once with EXIT_ENGINE_FAULT, after telling the API which ops were
-running; nothing is failed here, since the API runs the acknowledged ops again on the new
-worker its supervisor starts.
+A worker is a process of its own (`treadle serve` starts one per model, `treadle worker`
+runs one anywhere), or a thread of the API process (`--engine-processes false`, the tests'
+in-process app): the same code over an in-process socket.
+
+An engine fault (treadle.protocol.faults: a device left unusable, or the engine loop dead)
+ends the worker at once, after telling the API which ops were running (a process exits
+with EXIT_ENGINE_FAULT); nothing is failed here, since the API runs the acknowledged ops
+again on the new worker its supervisor starts.
 
 If the API goes silent (no heartbeat for API_SILENT_S), or says it does not know this
 worker, the worker says HELLO again until it is welcomed; being welcomed again makes it
-drop every model first, since the API restores them all from its database. SIGTERM or SHUTDOWN: run what
-is queued (up to drain_timeout_s), write every model's state, exit 0.
+drop every model first, since the API restores them all from its database. SIGTERM or
+SHUTDOWN: run what is queued (up to drain_timeout_s), write every model's state, stop.
 """
 
 from __future__ import annotations
@@ -33,21 +37,18 @@ from typing import Any
 import zmq
 
 from treadle.errors import ErrorInfo
-from treadle.server.config import ServerConfig
-from treadle.server.runtime import messages
-from treadle.server.runtime.channel import TICK_S, Channel
-from treadle.server.runtime.checkpoint_writer import CheckpointWriter
-from treadle.server.runtime.engine_client import EngineFacts, SnapshotPolicy
-from treadle.server.runtime.engine_loop import EngineLoop
-from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.faults import EXIT_ENGINE_FAULT, EngineFault
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.live_weights import StateSnapshot
-from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Outcome, Progress
-from treadle.server.runtime.remote import TOKEN_ENV
-from treadle.server.storage.database import Store
-from treadle.worker.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder, keep_crash_log
+from treadle.protocol import messages
+from treadle.protocol.channel import TICK_S, Channel
+from treadle.protocol.facts import EngineFacts, StateSnapshot
+from treadle.protocol.faults import EXIT_ENGINE_FAULT, EngineFault
+from treadle.protocol.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder, keep_crash_log
+from treadle.protocol.messages import Kind
+from treadle.protocol.ops import Outcome, Progress
+from treadle.protocol.worker_config import TOKEN_ENV, WorkerConfig
+from treadle.worker.checkpoints import CheckpointWriter
+from treadle.worker.executor import OpExecutor
+from treadle.worker.loop import EngineLoop
+from treadle.worker.scheduler import ParkLimits
 
 log = logging.getLogger("treadle.worker")
 
@@ -55,30 +56,35 @@ API_SILENT_S = 2.0
 HELLO_EVERY_S = 1.0
 
 
+def load_engine(config: WorkerConfig, device: str | None = None) -> Any:
+    """The config's model as an Engine (on `device`, default the config's)."""
+    from treadle.engine.engine import Engine
+
+    return Engine(
+        config.path, dtype=config.dtype, device=device or config.device, model_name=config.name
+    )
+
+
 class Worker:
     def __init__(
         self,
-        config: ServerConfig,
-        name: str,
-        path: str,
+        config: WorkerConfig,
         address: str,
         token: str,
         replica: int = -1,
         engine: Any = None,
+        in_thread: bool = False,
     ):
         """`engine`: what the executor calls (default: an Engine of the config's model); a
-        worker group's rank 0 passes its DistributedEngine (treadle.worker.group)."""
-        from treadle.server.app import default_engine_factory, park_limits
-
+        worker group's rank 0 passes its DistributedEngine (treadle.worker.group).
+        `in_thread`: a thread of the API process, which a fault ends without ending it."""
         self.config = config
         self.token = token
         self.replica = replica
+        self.in_thread = in_thread
         self.worker_id = uuid.uuid4().hex[:12]
-        if engine is None:
-            engine = default_engine_factory(name, path, config)
-        self.store = Store(config.resolved_db_url)
-        self.journal = Journal(self.store.engine)
-        writer = CheckpointWriter(engine, self.store, self.journal, config.artifacts_dir)
+        engine = engine if engine is not None else load_engine(config)
+        writer = CheckpointWriter(engine, config.artifacts_dir)
         executor = OpExecutor(
             engine,
             writer,
@@ -86,9 +92,12 @@ class Worker:
             state_root=config.state_dir,
             on_refs=self._refs,
         )
-        self.facts = EngineFacts.of(name, engine)
-        recorder_path = os.environ.get(FLIGHT_RECORDER_ENV)
+        self.facts = EngineFacts.of(config.name, engine)
+        recorder_path = None if in_thread else os.environ.get(FLIGHT_RECORDER_ENV)
         self.recorder = FlightRecorder(recorder_path) if recorder_path else None
+        park = ParkLimits(
+            config.max_parked_ops, config.max_parked_bytes, config.parked_op_timeout_s
+        )
         self.loop = EngineLoop(
             self.facts,
             executor,
@@ -96,9 +105,8 @@ class Worker:
             config.max_sample_batch,
             max_merge_tokens=config.max_merge_tokens,
             on_snapshot=self._snapshot if config.durable else None,
-            snapshots=SnapshotPolicy(config.snapshot_every_steps, config.snapshot_every_s),
-            report_replays=True,
-            park=park_limits(config),
+            snapshots=config.snapshots,
+            park=park,
             on_progress=self._progress,
             on_fault=self._fault,
             on_running=self.recorder.record if self.recorder is not None else None,
@@ -110,6 +118,7 @@ class Worker:
             connect=address,
             identity=self.worker_id.encode(),
         )
+        self.fault: EngineFault | None = None  # what ended this worker, if a fault did
         self._epoch: str | None = None
         self._welcomed = False
         self._api_seen = time.monotonic()
@@ -120,7 +129,7 @@ class Worker:
 
     # ---- life ----
     def run(self) -> None:
-        self.journal.start()
+        """Serve until drained (SIGTERM, SHUTDOWN) or ended by a fault."""
         self.loop.start()
         self.channel.start()
         self._hello()
@@ -147,12 +156,14 @@ class Worker:
             except Exception:
                 log.exception("final snapshots failed")
             self.loop.stop()
-            self.journal.stop()
             self.channel.stop()
-            self.store.close()
             self._done.set()
 
         threading.Thread(target=drain, name="drain", daemon=True).start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether the worker has ended (within timeout_s)."""
+        return self._done.wait(timeout_s)
 
     # ---- the socket (the channel's IO thread) ----
     def _on_message(self, frames: list[bytes]) -> None:
@@ -181,11 +192,6 @@ class Worker:
         self._epoch, self._welcomed = welcome.epoch, True
 
     def _call(self, call: messages.Call) -> None:
-        if call.name == "add_model":  # here, in order: the model's first op comes right after
-            self.loop.add_model(**call.args)
-            self._send(Kind.REPLY, messages.Reply(call.call_id))
-            return
-
         def reply(fut: Any) -> None:
             error = fut.exception()
             value = None if error is not None else fut.result()
@@ -212,15 +218,15 @@ class Worker:
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
         if device.startswith("cuda") and gpus:  # which of the machine's GPUs, for status
             device += f" [GPU {gpus}]"
+        pid = 0 if self.in_thread else os.getpid()
         hello = messages.Hello(
-            self.worker_id, self.facts, self.token, self.replica, pid=os.getpid(), device=device
+            self.worker_id, self.facts, self.token, self.replica, pid=pid, device=device
         )
         self._send(Kind.HELLO, hello)
 
     # ---- what the engine says (its thread) ----
     def _outcomes(self, outcomes: list[Outcome]) -> None:
-        body = messages.encode_outcomes(outcomes, self.loop.positions())
-        self.channel.send([Kind.OUTCOMES.encode(), body])
+        self.channel.send([Kind.OUTCOMES.encode(), messages.encode_outcomes(outcomes)])
 
     def _progress(self, items: list[Progress]) -> None:
         self._send(Kind.PROGRESS, messages.ProgressMsg(items))
@@ -232,39 +238,40 @@ class Worker:
         self._send(Kind.SNAPSHOT, snap)
 
     def _fault(self, fault: EngineFault) -> None:
-        """Engine thread: the engine cannot go on in this process. Say which ops were
-        running, wait (briefly) for that to leave, and exit."""
+        """Engine thread: the engine cannot go on in this worker. Say which ops were
+        running, wait (briefly) for that to leave, and end: a process exits, a thread
+        stops (its supervisor starts a new worker either way)."""
         ids = fault.running_ids
         if self.recorder is not None:
             self.recorder.clear()  # said here: the supervisor must not blame them again
-        log.critical("engine fault with %d ops running: %s; exiting", len(ids), fault)
+        log.critical("engine fault with %d ops running: %s; ending the worker", len(ids), fault)
         body = messages.encode(messages.Fault(ids, str(fault)))
         self.channel.send([Kind.FAULT.encode(), body])
         self.channel.stop(timeout_s=1.0, linger_s=2.0)
-        logging.shutdown()
-        os._exit(EXIT_ENGINE_FAULT)
+        if not self.in_thread:
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_FAULT)
+        self.fault = fault
+        self._done.set()
 
     def _send(self, kind: Kind, obj: Any) -> None:
         self.channel.send([kind.encode(), messages.encode(obj)])
 
 
 def run_worker(
-    config: ServerConfig, address: str, token: str | None = None, replica: int = -1
+    config: WorkerConfig, address: str, token: str | None = None, replica: int = -1
 ) -> None:
-    """`treadle worker`: serve the config's one model until SIGTERM (then drain) or SIGKILL.
+    """`treadle worker`: serve the config's model until SIGTERM (then drain) or SIGKILL.
 
     Under torchrun with several processes, this process is one rank of a worker group
     (treadle.worker.group)."""
     from treadle.worker.group import in_group, run_group
 
-    (name, path), *more = config.models.items()
-    if more:
-        raise SystemExit("treadle worker: serves exactly one --model NAME=PATH")
     keep_crash_log(int(os.environ.get("RANK", "0")))
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
     if in_group():
         run_group(config, address, token, replica)
         return
-    worker = Worker(config, name, path, address, token, replica)
+    worker = Worker(config, address, token, replica)
     signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
     worker.run()

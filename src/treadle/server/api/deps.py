@@ -8,8 +8,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from treadle.artifacts import encryption
 from treadle.server.core.state import ServerState
-from treadle.server.storage import encryption
 from treadle.server.tenancy.auth import Tenant, current_tenant
 
 

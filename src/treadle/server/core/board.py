@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from treadle.server.runtime.ops import OpKind, Outcome, Progress
+from treadle.protocol.ops import OpKind, Outcome, Progress
 
 # Undelivered outcomes kept in memory (a client that never polls must not grow the server).
 MAX_KEPT = 4096

@@ -8,8 +8,8 @@ import shutil
 
 from sqlalchemy import select
 
+from treadle.artifacts import folders as artifacts
 from treadle.errors import NotFoundError
-from treadle.server.storage import artifacts
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import CheckpointRow, ModelRow
 from treadle.server.tenancy.auth import owns

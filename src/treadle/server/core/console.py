@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from treadle.server.core.console_base import OPS, C, G, M, S, V, _iso, _iso_ts, _scoped, _version
 from treadle.server.core.console_sessions import SESSION_SORTS as SESSION_SORTS  # re-exported
 from treadle.server.core.console_sessions import SessionViews
+from treadle.server.engines.client import overall
 from treadle.server.tenancy import metering
 
 RECENT_S = 15 * 60  # the overview's window
@@ -77,11 +78,10 @@ class ConsoleViews(SessionViews):
         engines = []
         for engine in self.engines.all():
             facts = engine.facts
-            status = getattr(engine, "status", None)
             engines.append(
                 {
                     "name": engine.name,
-                    "status": status() if callable(status) else "serving",
+                    "status": overall(engine.status()),
                     "device": self.config.device,
                     "dtype": self.config.dtype,
                     "arch": facts.arch,

@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from treadle.server.config import ServerConfig
-from treadle.server.core.engines import Engines
 from treadle.server.core.metrics import Metrics
+from treadle.server.engines.served import Engines
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import (
     DEFAULT_TENANT_ID,

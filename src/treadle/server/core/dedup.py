@@ -17,7 +17,7 @@ import asyncio
 import functools
 from collections import OrderedDict
 
-from treadle.server.runtime.journal import Journal
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import request_id_of
 
 # Dedup keys remembered in memory; an older key is still recognised, by the database.

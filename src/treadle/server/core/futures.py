@@ -7,7 +7,8 @@ One database write per request, one per result, both through the journal:
   queues nothing, whether memory still knows the key or only the database does
   (treadle.server.core.dedup);
 - `finish` (any thread) encodes outcomes (treadle.server.core.results), commits them (with
-  the sequences a record_stability_info sample keeps, treadle.server.core.sequences), and
+  the sequences a record_stability_info sample keeps, treadle.server.core.sequences, and
+  the rows of what a save wrote, treadle.server.core.saves), and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
   only once it is on disk; the console's figures and timeline are recorded after that
   (treadle.server.core.metrics, which writes them a moment later);
@@ -26,7 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +40,8 @@ from treadle.errors import (
     QuotaExceededError,
     TreadleError,
 )
-from treadle.server.core.board import FutureBoard
-from treadle.server.core.dedup import FiledKeys
-from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics
-from treadle.server.core.results import encode, error_json, finished_of_row
-from treadle.server.core.sequences import insert_records
-from treadle.server.runtime.engine_client import EngineClient
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.messages import encode_payload
-from treadle.server.runtime.ops import (
+from treadle.protocol.messages import encode_payload
+from treadle.protocol.ops import (
     Op,
     OpKind,
     Outcome,
@@ -58,6 +51,15 @@ from treadle.server.runtime.ops import (
     Sample,
     Skip,
 )
+from treadle.server.core.board import FutureBoard
+from treadle.server.core.dedup import FiledKeys
+from treadle.server.core.limits import Admission
+from treadle.server.core.metrics import Metrics
+from treadle.server.core.results import encode, error_json, finished_of_row
+from treadle.server.core.saves import commit_saved
+from treadle.server.core.sequences import insert_records
+from treadle.server.engines.client import EngineClient
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import (
     Finished,
     finish_requests,
@@ -95,6 +97,8 @@ class Futures:
         self.long_poll_s = long_poll_s
         self.metrics = metrics
         self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
+        # after a save's versions are committed: its group's retention (set by the app)
+        self.after_saves: Callable[[list[Outcome]], None] = lambda outcomes: None
 
     # ---- filing ----
     async def file(
@@ -115,16 +119,8 @@ class Futures:
         key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
         if key is not None and (found := await self.keys.known(key)) is not None:
             return found
-        if kind != OpKind.SAMPLE:
-            if seq_id is None:
-                raise InvalidRequestError("seq_id: required for training requests")
-            try:
-                engine.check_seq(model_id, seq_id)
-            except InvalidRequestError:
-                # a seq_id that ran long ago: a resubmission whose key memory let go
-                if (found := await self.keys.in_db(key)) is not None:
-                    return found
-                raise
+        if kind != OpKind.SAMPLE and seq_id is None:
+            raise InvalidRequestError("seq_id: required for training requests")
         if kind != OpKind.SKIP:
             try:
                 self.admission.check_op(tenant, engine.name, kind, payload)
@@ -212,6 +208,9 @@ class Futures:
         """Commit the outcomes, then hand them to their polls."""
 
         def write(conn: Any) -> None:
+            for o in outcomes:  # a save's rows, before its result names them
+                if o.saved is not None and o.succeeded:
+                    commit_saved(conn, o)
             finish_requests(conn, [encode(o) for o in outcomes])
             records = [r for o in outcomes if o.succeeded for r in o.records]
             if records:  # record_stability_info: kept with the result that names them
@@ -226,6 +225,8 @@ class Futures:
                 )
                 resolved = [Outcome.failed(o.request_id, failed) for o in outcomes]
             self.board.resolve(resolved)
+            if error is None:
+                self.after_saves(outcomes)
             if self.metrics is not None:  # the console's figures: after, never before, a result
                 self.metrics.finished(resolved)
 

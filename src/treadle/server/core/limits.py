@@ -6,8 +6,8 @@ and the OpenAI-compatible ones are held to the same limits."""
 from __future__ import annotations
 
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import METERED_KINDS, OpKind, Payload, Sample, TrainData
 from treadle.server.config import InputLimits
-from treadle.server.runtime.ops import METERED_KINDS, OpKind, Payload, Sample, TrainData
 from treadle.server.tenancy.auth import Tenant
 from treadle.server.tenancy.quotas import (
     QuotaBook,

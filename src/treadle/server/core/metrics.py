@@ -40,6 +40,15 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, insert
 
+from treadle.protocol.ops import (
+    TRAIN_KINDS,
+    Op,
+    OpKind,
+    OptimResult,
+    Outcome,
+    Sample,
+    TrainData,
+)
 from treadle.server.core.figures import (
     GRAD_NORM,
     LEARNING_RATE,
@@ -49,16 +58,7 @@ from treadle.server.core.figures import (
     TOKENS,
     write_figures,
 )
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import (
-    TRAIN_KINDS,
-    Op,
-    OpKind,
-    OptimResult,
-    Outcome,
-    Sample,
-    TrainData,
-)
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import OpRecordRow
 from treadle.server.tenancy.spend import SpendBook, current_key_id
 

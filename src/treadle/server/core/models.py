@@ -14,14 +14,14 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.server.core.engines import Engines
+from treadle.protocol.ops import ModelResult, OpKind, Outcome
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.sessions import Sessions
+from treadle.server.engines.served import Engines
 from treadle.server.registry.bindings import Bindings
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import ModelResult, OpKind, Outcome
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import insert_row, set_model_status
 from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
@@ -59,13 +59,14 @@ class TrainingModels:
         return self.store.get(ModelRow, model_id)
 
     def require(self, model_id: str, field: str = "model_id") -> ModelRow:
-        """A loaded model of the caller's tenant whose session is active, else 404/410."""
+        """A loaded model of the caller's tenant whose session is active, else 404/410.
+        Loaded means: made (or restored) by this process and not unloaded since, on a base
+        model served here; the worker that holds it answers for the rest."""
         row = self.row(model_id)
         if row is None or not owns(row.tenant_id):
             raise NotFoundError(f"{field}: model {model_id!r} not found")
         self.sessions.require(row.session_id)
-        engine = self.engines.get(row.base_model)
-        if engine is None or not engine.has_model(model_id):
+        if not self.loaded(row):
             if row.unloaded_reason is not None:  # the server gave it up: say why
                 raise NotFoundError(f"{field}: {row.unloaded_reason}")
             why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
@@ -75,13 +76,17 @@ class TrainingModels:
             )
         return row
 
+    def loaded(self, row: ModelRow) -> bool:
+        return (
+            self._rows.get(row.model_id) is row
+            and row.status == "active"
+            and row.base_model in self.engines
+        )
+
     def restore(self, row: ModelRow) -> None:
-        """A model of a previous run whose session is still active (its engine restores its
+        """A model of a previous run whose session is still active (its worker restores its
         state: treadle.server.core.recovery)."""
         self._rows[row.model_id] = row
-        engine = self.engines.get(row.base_model)
-        if engine is not None:
-            engine.add_model(row.model_id)
 
     def rows_of(self, base_model: str) -> list[ModelRow]:
         """The loaded models of one served base model."""
@@ -96,14 +101,13 @@ class TrainingModels:
 
     def live(self, tenant_id: str) -> list[ModelRow]:
         """The tenant's models that can serve requests now."""
-        out = []
-        for model_id, row in list(self._rows.items()):
-            engine = self.engines.get(row.base_model)
-            if row.tenant_id != tenant_id or row.status != "active" or engine is None:
-                continue
-            if self.sessions.is_active(row.session_id) and engine.has_model(model_id):
-                out.append(row)
-        return out
+        return [
+            row
+            for row in list(self._rows.values())
+            if row.tenant_id == tenant_id
+            and self.loaded(row)
+            and self.sessions.is_active(row.session_id)
+        ]
 
     async def create(
         self,
@@ -149,7 +153,6 @@ class TrainingModels:
                 raise
         if model_id not in self._rows:
             self._rows[model_id] = ModelRow(**values)
-            engine.add_model(model_id)
         return self._rows[model_id]
 
     async def bind(self, row: ModelRow, group: str | None, output_path: str | None) -> None:
@@ -182,7 +185,7 @@ class TrainingModels:
 
         async def run() -> None:
             try:
-                await engine.unload_model(model_id, reason)
+                await engine.call("unload_model", model_id=model_id, reason=reason)
                 outcome = Outcome.ok(rid, ModelResult(model_id, "unload_model"))
             except Exception as e:  # noqa: BLE001 - the future says what went wrong
                 outcome = Outcome.failed(rid, e)
@@ -200,7 +203,7 @@ class TrainingModels:
             if engine is None:
                 continue
             try:
-                await engine.unload_model(model_id, reason)
+                await engine.call("unload_model", model_id=model_id, reason=reason)
             except Exception:
                 log.exception("freeing model %s", model_id)
 

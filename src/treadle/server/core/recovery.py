@@ -17,11 +17,6 @@ their model's snapshot or with the replay of the op that made them.
 
 Cost: one payload column written with each request row (the same bytes the engine is
 sent), and a state snapshot per model every `snapshot_every_steps` optimizer steps.
-
-On a database several API processes share, the engine host recovers every process's
-requests alike; an unfinished request is handed to the engine only if nothing else in this
-process has handed it already (`Futures.claims`: a request another process filed may
-arrive by its notification as well).
 """
 
 from __future__ import annotations
@@ -38,12 +33,12 @@ from typing import Any
 from sqlalchemy import select
 
 from treadle.errors import EngineDeadError, ErrorInfo, NotFoundError, TreadleError
+from treadle.protocol.facts import StateSnapshot
+from treadle.protocol.messages import decode_payload
+from treadle.protocol.ops import STATE_KINDS, ModelResult, Op, OpKind, Outcome, Skip
 from treadle.server.core.state import ServerState
+from treadle.server.engines.remote import WorkerEngine
 from treadle.server.registry import sources
-from treadle.server.runtime.engine_client import EngineClient
-from treadle.server.runtime.live_weights import StateSnapshot
-from treadle.server.runtime.messages import decode_payload
-from treadle.server.runtime.ops import STATE_KINDS, ModelResult, Op, OpKind, Outcome, Skip
 from treadle.server.storage import queries
 from treadle.server.storage.rows import (
     CheckpointRow,
@@ -129,7 +124,7 @@ class Recovery:
     # ---- an engine (re)starts: its models, samplers and unfinished work ----
     async def restore_engine(
         self,
-        engine: EngineClient,
+        engine: WorkerEngine,
         model_ids: list[str] | None = None,
         skip: AbstractSet[str] = frozenset(),
     ) -> None:
@@ -184,23 +179,21 @@ class Recovery:
             )
 
     def _take(self, request_id: str, in_flight: set[str]) -> bool:
-        """Whether to hand an unfinished request to the engine: not if it holds it (a
-        worker's engine sends those again itself), nor if it was handed already."""
-        if request_id in in_flight:
-            return False
-        claims = self.state.futures.claims
-        return claims is None or claims.take(request_id)
+        """Whether to hand an unfinished request to the engine: not if it holds it (the
+        engine sends those again itself once its worker is back)."""
+        return request_id not in in_flight
 
     async def _restore_model(
-        self, engine: EngineClient, row: ModelRow, skip: AbstractSet[str] = frozenset()
+        self, engine: WorkerEngine, row: ModelRow, skip: AbstractSet[str] = frozenset()
     ) -> None:
         snap = await asyncio.to_thread(self.state.store.get, StateSnapshotRow, row.model_id)
         after = snap.seq_id if snap is not None else -1
-        await engine.restore_model(
-            row.model_id,
-            snap.dir if snap is not None else None,
-            dict(snap.samplers or {}) if snap is not None else {},
-            after + 1,
+        await engine.call(
+            "restore_model",
+            model_id=row.model_id,
+            state_dir=snap.dir if snap is not None else None,
+            samplers=dict(snap.samplers or {}) if snap is not None else {},
+            next_seq=after + 1,
         )
         with self.state.store.engine.connect() as conn:
             log_rows = queries.model_ops_after(conn, row.model_id, after)
@@ -220,7 +213,7 @@ class Recovery:
                     Op(r["request_id"], OpKind.SKIP, _DONE_SKIP, row.model_id, seq, replay=True)
                 )
 
-    async def _restore_samplers(self, engine: EngineClient) -> None:
+    async def _restore_samplers(self, engine: WorkerEngine) -> None:
         """Sampling sessions of saved checkpoints: their weights loaded again."""
         state = self.state
         with state.store.session() as s:
@@ -246,14 +239,19 @@ class Recovery:
                 state.samplers.not_restored(row.sampling_session_id, why)
                 log.warning("sampler %s: %s", row.sampling_session_id, why)
 
-    async def _load_sampler(self, engine: EngineClient, row: SamplingSessionRow) -> None:
+    async def _load_sampler(self, engine: WorkerEngine, row: SamplingSessionRow) -> None:
         """A sampler's checkpoint loaded again: its folder on this server, else its model
         package version fetched again (from S3, say). An encrypted one cannot be: the key
         came with the request that made the sampler, and the server never keeps it."""
         assert row.model_path is not None and row.engine_ref is not None
         ckpt = self.state.store.get(CheckpointRow, row.model_path)
         if ckpt is not None and Path(ckpt.dir).is_dir():
-            await engine.load_sampler(row.engine_ref, ckpt.checkpoint_type, ckpt.dir)
+            await engine.call(
+                "load_sampler",
+                ref=row.engine_ref,
+                checkpoint_type=ckpt.checkpoint_type,
+                directory=ckpt.dir,
+            )
             return
         root = sources.packages_root(self.state.config)
         source = await asyncio.to_thread(
@@ -262,14 +260,19 @@ class Recovery:
         if source is None:
             raise NotFoundError(f"its checkpoint {row.model_path!r} is gone")
         try:
-            await engine.load_sampler(row.engine_ref, source.checkpoint_type, source.dir)
+            await engine.call(
+                "load_sampler",
+                ref=row.engine_ref,
+                checkpoint_type=source.checkpoint_type,
+                directory=source.dir,
+            )
         finally:
             if source.cleanup:
                 shutil.rmtree(source.dir, ignore_errors=True)
 
     async def _give_up(
         self,
-        engine: EngineClient,
+        engine: WorkerEngine,
         row: ModelRow,
         reason: str,
         held: AbstractSet[str] = frozenset(),
@@ -310,5 +313,5 @@ def _replays(kind: OpKind) -> bool:
     return kind in STATE_KINDS or kind == OpKind.SNAPSHOT
 
 
-def _unfinished(engine: EngineClient) -> list[Op]:
+def _unfinished(engine: WorkerEngine) -> list[Op]:
     return engine.unfinished()

@@ -16,7 +16,7 @@ import numpy as np
 
 from treadle.engine.types import SampleResult, TrainResult
 from treadle.errors import ErrorInfo
-from treadle.server.runtime.ops import Outcome
+from treadle.protocol.ops import Outcome
 from treadle.server.storage.queries import Finished
 from treadle.types import SampledSequence, SampleResponse, TensorData
 from treadle.wire import codec

@@ -14,11 +14,11 @@ import logging
 
 from treadle.errors import InvalidRequestError, NotFoundError, SessionGoneError
 from treadle.server.core.checkpoints import Checkpoints
-from treadle.server.core.engines import Engines
 from treadle.server.core.sessions import Sessions
+from treadle.server.engines.served import Engines
 from treadle.server.registry.sources import LoadSource
-from treadle.server.runtime.journal import Journal
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import insert_row, sampling_session_id_of
 from treadle.server.storage.rows import SamplingSessionRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
@@ -114,7 +114,9 @@ class Samplers:
                 )
             engine = self.engines.require(base)
             ref = f"sampler:{sid}"
-            await engine.load_sampler(ref, ckpt.checkpoint_type, ckpt.dir)
+            await engine.call(
+                "load_sampler", ref=ref, checkpoint_type=ckpt.checkpoint_type, directory=ckpt.dir
+            )
         else:
             base, ref = self.engines.require(base_model).name, None
         values = {
@@ -139,6 +141,6 @@ class Samplers:
             engine = self.engines.get(base_model)
             if engine_ref and engine is not None:
                 try:
-                    await engine.drop_ref(engine_ref)
+                    await engine.call("drop_ref", ref=engine_ref)
                 except Exception:
                     log.exception("freeing sampler %s", sampling_session_id)

@@ -35,8 +35,8 @@ from sqlalchemy import Connection, delete, insert, select, update
 
 from treadle.engine.specs import check_recorded, loss_spec
 from treadle.errors import InvalidRequestError
-from treadle.server.runtime.journal import Journal
-from treadle.server.runtime.ops import SequenceRecord, TrainData
+from treadle.protocol.ops import SequenceRecord, TrainData
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import SampledSequenceRow, utcnow
 from treadle.wire.codec import Span
 

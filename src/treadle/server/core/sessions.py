@@ -15,8 +15,8 @@ from typing import Any
 
 from treadle.errors import NotFoundError, SessionGoneError
 from treadle.server.core.limits import Admission
-from treadle.server.runtime.journal import Journal
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import insert_row, mark_session_ended
 from treadle.server.storage.rows import SessionRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns

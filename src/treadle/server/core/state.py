@@ -13,15 +13,15 @@ from pathlib import Path
 
 from treadle.server.config import ServerConfig
 from treadle.server.core.checkpoints import Checkpoints
-from treadle.server.core.engines import Engines
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.models import TrainingModels
 from treadle.server.core.samplers import Samplers
 from treadle.server.core.sessions import Sessions
+from treadle.server.engines.served import Engines
 from treadle.server.registry.bindings import Bindings
-from treadle.server.runtime.journal import Journal
 from treadle.server.storage.database import Store
+from treadle.server.storage.journal import Journal
 from treadle.server.tenancy.auth import KeyRing, Tenant
 from treadle.server.tenancy.signing import Signer
 

@@ -22,9 +22,9 @@ from treadle.engine.specs import (
 from treadle.engine.types import AdamSpec, LoraSpec, SampleSpec, TrainDatum
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.errors import InvalidRequestError
+from treadle.protocol.facts import EngineFacts
+from treadle.protocol.ops import TrainData
 from treadle.server.config import InputLimits
-from treadle.server.runtime.engine_client import EngineFacts
-from treadle.server.runtime.ops import TrainData
 from treadle.types import LoraConfig
 from treadle.wire.codec import ForwardBackwardArrays
 from treadle.wire.requests import OptimStepRequest, SampleRequest

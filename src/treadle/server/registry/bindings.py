@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from treadle.artifacts import stores
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import PackageTarget
 from treadle.server.registry.names import check_group
-from treadle.server.runtime.ops import PackageTarget
-from treadle.server.storage import stores
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import ModelPackageRow
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treadle.artifacts import stores
 from treadle.errors import InvalidRequestError
 from treadle.server.registry.names import is_ref
 from treadle.server.registry.versions import get_version, version_by_tinker_path
-from treadle.server.storage import stores
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import CheckpointRow, VersionRow
 

@@ -2,8 +2,9 @@
 
 A training model created with `model_package_group="name"` (and optionally `output_path`,
 an s3:// prefix or a server folder) is bound to that group; each of its saves then
-publishes a version: the files are stored first (treadle.server.storage.stores: temp folder renamed
-into place, or S3 objects with the manifest last) and the row is inserted after, so a
+publishes a version: the files are stored first, by whoever wrote them (the engine worker for
+a save, treadle.artifacts.packages: a temp folder renamed into place, or S3 objects with the
+manifest last), and the row is inserted after, by the API (with the save's result), so a
 version in the table is always complete. A failed store registers nothing.
 
 Kinds: `sampler` (a PEFT adapter: named sampler saves and the per-step sampler refresh),
@@ -15,20 +16,20 @@ tenant's group is not found.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, delete, func, select
 
+from treadle.artifacts import stores
+from treadle.artifacts.packages import discard_version, store_version
 from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.protocol.ops import PackageTarget, VersionRecord
 from treadle.server.registry.names import parse_ref
-from treadle.server.runtime.ops import PackageTarget
-from treadle.server.storage import stores
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import (
     CheckpointRow,
@@ -81,79 +82,51 @@ def publish(
     source: str | None = None,
     store: stores.ArtifactStore | None = None,
 ) -> VersionRow:
-    """Store src_dir's files, then register the version; nothing is registered if storing
-    fails (what was stored is deleted). Applies the group's retention afterwards."""
+    """Store src_dir's files, then register the version (the API's own saves: imports);
+    nothing is registered if storing fails, and the files go if registering does. Applies
+    the group's retention afterwards."""
     assert kind in KINDS, kind
-    tenant_id, group = pkg.tenant_id, pkg.group
-    location = stores.join(pkg.output_root, tenant_id, group, uuid.uuid4().hex)
-    target = store or stores.open_location(location)
-    manifest = target.put_files(Path(src_dir), pkg.key)
+    record = store_version(
+        pkg, kind, src_dir, name=name, tinker_path=tinker_path, step=step,
+        user_metadata=user_metadata, source=source, store=store,
+    )  # fmt: skip
     try:
-        row = _insert_version(
-            db,
-            {
-                "tenant_id": tenant_id,
-                "group_name": group,
-                "kind": kind,
-                "name": name,
-                "session_id": pkg.session_id,
-                "model_id": pkg.model_id,
-                "run_id": pkg.run_id,
-                "base_model": pkg.base_model,
-                "lora_config": pkg.lora_config,
-                "step": step,
-                "size_bytes": sum(f["size"] for f in manifest["files"].values()),
-                "user_metadata": user_metadata,
-                "location": target.url,
-                "tinker_path": tinker_path,
-                "encrypted": manifest["encrypted"],
-                "key_id": manifest["key_id"],
-                "source": source,
-            },
-        )
+        with db.engine.begin() as conn:
+            number = insert_version(conn, record)
     except BaseException:
-        target.delete_all()
+        discard_version(record)
         raise
+    retain(db, pkg.tenant_id, pkg.group)
+    return get_version(db, pkg.tenant_id, f"{pkg.group}:{number}")
+
+
+def insert_version(conn: Connection, record: VersionRecord) -> int:
+    """Register a stored version as the next number of its group (made if new); → the
+    number. One API process writes versions, through one connection at a time."""
+    groups, versions = PackageGroupRow.__table__, VersionRow.__table__
+    tenant, group = record.tenant_id, record.group_name
+    in_group = (groups.c.tenant_id == tenant) & (groups.c.name == group)
+    if conn.execute(select(groups.c.id).where(in_group)).first() is None:
+        values = {"id": new_id(), "tenant_id": tenant, "name": group, "created_at": utcnow()}
+        conn.execute(groups.insert().values(values))
+    last = conn.execute(
+        select(func.max(versions.c.version)).where(
+            (versions.c.tenant_id == tenant) & (versions.c.group_name == group)
+        )
+    ).scalar()
+    number = (last or 0) + 1
+    row = {**dataclasses.asdict(record), "id": new_id(), "version": number, "created_at": utcnow()}
+    conn.execute(versions.insert().values(row))
+    return number
+
+
+def retain(db: Store, tenant_id: str, group: str) -> None:
+    """Apply the group's retention after a version was added (a failure is logged: the
+    version is complete and registered, the save succeeded)."""
     try:
         apply_retention(db, tenant_id, group)
-    except Exception:  # the version is complete and registered: the save succeeded
+    except Exception:
         log.exception("retention of group %s (tenant %s) failed", group, tenant_id)
-    return row
-
-
-def _insert_version(db: Store, values: dict[str, Any]) -> VersionRow:
-    """Next number in the group; a concurrent insert of the same number is retried."""
-    for _ in range(20):
-        try:
-            with db.session.begin() as s:
-                _ensure_group(s, values["tenant_id"], values["group_name"])
-                last = s.scalar(
-                    select(func.max(VersionRow.version)).where(
-                        (VersionRow.tenant_id == values["tenant_id"])
-                        & (VersionRow.group_name == values["group_name"])
-                    )
-                )
-                row = VersionRow(
-                    id=new_id(), version=(last or 0) + 1, created_at=utcnow(), **values
-                )
-                s.add(row)
-        except IntegrityError:
-            continue
-        return row
-    raise RuntimeError("could not allocate a version number")
-
-
-def _ensure_group(s: Any, tenant_id: str, group: str) -> PackageGroupRow:
-    row = s.scalar(
-        select(PackageGroupRow).where(
-            (PackageGroupRow.tenant_id == tenant_id) & (PackageGroupRow.name == group)
-        )
-    )
-    if row is None:
-        row = PackageGroupRow(id=new_id(), tenant_id=tenant_id, name=group, created_at=utcnow())
-        s.add(row)
-        s.flush()
-    return row
 
 
 # ---- queries (all scoped by tenant) ----

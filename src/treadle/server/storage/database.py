@@ -5,7 +5,7 @@ through in-process events and the workers' sockets, never through rows. SQLite u
 data_dir by default; PostgreSQL with `--db postgresql://user@host/db`. Opening a Store brings
 the schema to the newest revision (treadle.server.storage.migrations). Every Store method
 opens its own short session, so any thread may use it; the request rows of the hot path (a
-submit, a result) are written by the journal thread (treadle.server.runtime.journal) with
+submit, a result) are written by the journal thread (treadle.server.storage.journal) with
 the Core statements of treadle.server.storage.queries.
 
 Durability: SQLite runs in WAL mode with synchronous=NORMAL. A commit has reached the

@@ -1,6 +1,6 @@
 """The statements of the hot path, in SQLAlchemy Core: no ORM session, no identity map, one
 statement each. They are functions of a Connection, run by the journal thread
-(treadle.server.runtime.journal) or in a short transaction of their own.
+(treadle.server.storage.journal) or in a short transaction of their own.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class RequestRow(Base):
     seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # "<model_id>#<seq_id>" or "<sampling_session_id>#<seq_id>": a resubmission finds its row.
     dedup_key: Mapped[str | None] = mapped_column(String(256), unique=True, nullable=True)
-    # The op log: the op's payload (treadle.server.runtime.messages), written with the row,
+    # The op log: the op's payload (treadle.protocol.messages), written with the row,
     # before the client hears of it; recovery replays it. Cleared once a state snapshot of
     # its model covers it.
     payload: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)

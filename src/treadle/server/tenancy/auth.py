@@ -162,55 +162,6 @@ def request_key(headers: list[tuple[bytes, bytes]]) -> str | None:
     return bearer
 
 
-class TenantMiddleware:
-    """Pure ASGI: authenticates each HTTP request and sets its tenant for the handlers
-    (the context variable, and request.state.tenant for TenantDep)."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or _is_public(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        keyring: KeyRing | None = getattr(scope["app"].state, "keyring", None)
-        if keyring is None:  # still starting up
-            tenant = DEV_TENANT
-        else:
-            try:
-                tenant = keyring.authenticate(request_key(scope["headers"]))
-            except AuthError as e:
-                await _send_401(send, str(e), scope.get("path", ""))
-                return
-        scope.setdefault("state", {})["tenant"] = tenant
-        token = _CURRENT.set(tenant)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _CURRENT.reset(token)
-
-
-def _is_public(path: str) -> bool:
-    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
-
-
-async def _send_401(send: Any, message: str, path: str) -> None:
-    from treadle.server.api.openai.errors import error_body, is_openai_path
-
-    # OpenAI clients read their own error shape on /v1 (AuthenticationError with the message)
-    payload = (
-        error_body(message, 401) if is_openai_path(path) else {"error": message, "category": "user"}
-    )
-    body = json.dumps(payload).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer"),
-    ]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 # ---- every ORM read of a request sees its tenant's rows only ----
 def install_tenant_filter(sessions: sessionmaker) -> Callable[[], None]:
     """Add `tenant_id == current tenant` to every ORM SELECT made while serving a request

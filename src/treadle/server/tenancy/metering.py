@@ -1,6 +1,6 @@
 """Metering: the three token counters of every operation, and the usage reports built on them.
 
-Counted where operations run (treadle.server.runtime.executor), so every path that samples or
+Counted where operations run (treadle.worker.executor), so every path that samples or
 trains through the Service is metered, whatever route it came by:
 - prefill: the prompt tokens of a sample request (sample, compute_logprobs), once per
   request: its num_samples completions share one pass over the prompt;

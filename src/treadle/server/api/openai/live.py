@@ -30,13 +30,13 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from treadle.errors import TreadleError
+from treadle.protocol.ops import Progress
 from treadle.server.api.openai.completions import Prepared
 from treadle.server.api.openai.errors import error_body
 from treadle.server.api.openai.render import LiveText, TokenText, chat_logprobs
 from treadle.server.api.openai.sampling import Sampled, file_streamed, result_of, sampled_of
 from treadle.server.api.openai.stream import DONE, HEADERS, frame, sse, usage_chunk
 from treadle.server.core.state import ServerState
-from treadle.server.runtime.ops import Progress
 from treadle.server.tenancy.auth import Tenant
 
 # (prompt index, its op's Progress, or None once the op has ended)

@@ -88,11 +88,13 @@ class CheckpointSamplers:
             if found is not None:
                 return found[1]
             ref = f"openai:{new_id()}"
-            await state.engines.require(base).load_sampler(ref, checkpoint_type, folder)
+            await state.engines.require(base).call(
+                "load_sampler", ref=ref, checkpoint_type=checkpoint_type, directory=folder
+            )
             self._refs[key] = (base, ref)
             while len(self._refs) > self.max_loaded:
                 _, (old_base, old_ref) = self._refs.popitem(last=False)
-                await state.engines.require(old_base).drop_ref(old_ref)
+                await state.engines.require(old_base).call("drop_ref", ref=old_ref)
             return ref
 
 

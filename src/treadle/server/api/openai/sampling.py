@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.engine.types import SampleResult
 from treadle.errors import InvalidRequestError
+from treadle.protocol.ops import OpKind, Sample
 from treadle.server.api.openai.resolve import Target
 from treadle.server.api.openai.schemas import Sampling
 from treadle.server.core import validation
 from treadle.server.core.state import ServerState
-from treadle.server.runtime.ops import OpKind, Sample
 from treadle.server.tenancy.auth import Tenant
 from treadle.types import ModelInput, SamplingParams
 from treadle.wire.requests import SampleRequest

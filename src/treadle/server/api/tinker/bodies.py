@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -21,6 +20,7 @@ from typing import IO, Any
 from fastapi import HTTPException, Request
 
 from treadle.errors import InvalidRequestError, PayloadTooLargeError
+from treadle.server.api.middleware import send_error
 from treadle.server.config import InputLimits
 
 # Bytes read from the socket are written to disk in blocks of about this size.
@@ -71,7 +71,7 @@ class BodyLimit:
         limit = self.limit_of(scope["path"])
         declared = _content_length(scope["headers"])
         if declared is not None and declared > limit:
-            await _send_413(send, _too_large(declared, limit))
+            await _send_413(send, _too_large(declared, limit), scope["path"])
             return
         received = 0
         started = False
@@ -95,7 +95,7 @@ class BodyLimit:
         except BodyTooLarge as e:
             if started:
                 raise
-            await _send_413(send, e.error)
+            await _send_413(send, e.error, scope.get("path", ""))
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -105,15 +105,9 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-async def _send_413(send: Any, error: PayloadTooLargeError) -> None:
-    body = json.dumps({"error": str(error), "category": error.category}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-should-retry", b"false"),
-    ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _send_413(send: Any, error: PayloadTooLargeError, path: str) -> None:
+    retry = [(b"x-should-retry", b"false")]
+    await send_error(send, error.status, str(error), path, error.category, retry)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

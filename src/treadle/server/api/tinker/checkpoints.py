@@ -27,11 +27,11 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
+from treadle.protocol.ops import PackageTarget
 from treadle.server.api.deps import KeyDep, StateDep, TenantDep
 from treadle.server.api.tinker.bodies import read_body_to_file
 from treadle.server.registry import imports, names, sources, versions
 from treadle.server.registry.bindings import check_binding
-from treadle.server.runtime.ops import PackageTarget
 from treadle.server.tenancy.auth import DEV_TENANT
 
 router = APIRouter(prefix="/api/v1/treadle/checkpoints")
@@ -140,7 +140,7 @@ async def import_adapter(
         config = await asyncio.to_thread(imports.extract_adapter, archive, folder, max_bytes)
         engine = state.engines.require(base_model or config.get("base_model_name_or_path"))
         rank = imports.check_rank(config, engine.facts.max_lora_rank, engine.name)
-        await engine.check_adapter(str(folder))
+        await engine.call("check_adapter", directory=str(folder))
         package = PackageTarget(
             tenant_id=tenant.tenant_id,
             group=group,

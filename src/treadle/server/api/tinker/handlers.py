@@ -11,13 +11,10 @@ import asyncio
 import math
 from typing import Any
 
+from treadle.artifacts import encryption
+from treadle.artifacts import folders as artifacts
 from treadle.errors import InvalidRequestError
-from treadle.server.api.tinker.replies import sample_sequence_id
-from treadle.server.core import sequences, validation
-from treadle.server.core.state import ServerState
-from treadle.server.registry.bindings import check_binding
-from treadle.server.registry.sources import LoadSource
-from treadle.server.runtime.ops import (
+from treadle.protocol.ops import (
     CheckpointInfo,
     CreateAdapter,
     LoadWeights,
@@ -30,7 +27,11 @@ from treadle.server.runtime.ops import (
     SaveState,
     Snapshot,
 )
-from treadle.server.storage import artifacts, encryption
+from treadle.server.api.tinker.replies import sample_sequence_id
+from treadle.server.core import sequences, validation
+from treadle.server.core.state import ServerState
+from treadle.server.registry.bindings import check_binding
+from treadle.server.registry.sources import LoadSource
 from treadle.server.storage.rows import ModelRow, new_id
 from treadle.server.tenancy.auth import DEV_TENANT, Tenant
 from treadle.types import LoraConfig

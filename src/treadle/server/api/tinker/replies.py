@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
+from treadle.protocol.ops import METERED_KINDS, OpKind, sample_sequence_id
 from treadle.server.core.futures import Polled
 from treadle.server.core.results import JSON_TYPE, PROTO_TYPE
-from treadle.server.runtime.ops import METERED_KINDS, OpKind, sample_sequence_id
 from treadle.server.tenancy.metering import with_usage
 from treadle.wire import codec
 

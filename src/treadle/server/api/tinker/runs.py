@@ -15,10 +15,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import FileResponse
 
+from treadle.artifacts import folders as artifacts
 from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.server.api.deps import StateDep, TenantDep
 from treadle.server.core.state import ServerState
-from treadle.server.storage import artifacts
 from treadle.server.storage.rows import CheckpointRow, ModelRow
 from treadle.server.tenancy.signing import URL_TTL_S
 from treadle.types import Checkpoint, TrainingRun

@@ -74,7 +74,7 @@ def get_status(state: StateDep) -> dict[str, Any]:
                 "queue_depth": r.queue_depth,
                 "memory_mb": _rss_mb(r.worker_pid),
             }
-            for r in engine.replicas_status()
+            for r in engine.status()
         ]
         models.append({"model": engine.name, "replicas": replicas})
     return {"models": models}

@@ -2,9 +2,9 @@
 
 A worker (treadle.worker) connects its DEALER socket here and says HELLO (its model, its
 facts, the hub's token, the replica it wants); the hub checks the token and the protocol,
-answers WELCOME and hands it to the RemoteEngine of that replica. After that, messages are
+answers WELCOME and hands it to the WorkerEngine of that replica. After that, messages are
 routed by the worker's socket identity. A worker that sends nothing for `dead_after_s`
-(heartbeats come every tick) is lost: its RemoteEngine hears of it and waits for the next.
+(heartbeats come every tick) is lost: its WorkerEngine hears of it and waits for the next.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq
 
-from treadle.server.runtime import messages
-from treadle.server.runtime.channel import TICK_S, Channel
-from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.remote import RemoteEngine
+from treadle.protocol import messages
+from treadle.protocol.channel import TICK_S, Channel
+from treadle.protocol.messages import Kind
+from treadle.server.engines.remote import WorkerEngine
 
 log = logging.getLogger("treadle.remote")
 
@@ -35,7 +35,7 @@ class WorkerHub:
         self.dead_after_s = dead_after_s
         self.epoch = uuid.uuid4().hex
         self.engines: dict[str, Any] = {}  # model → its ReplicatedEngine (slot_for, tick)
-        self._by_identity: dict[bytes, RemoteEngine] = {}
+        self._by_identity: dict[bytes, WorkerEngine] = {}
         self._seen: dict[bytes, float] = {}
         self._last_beat = 0.0
         self.channel = Channel(zmq.ROUTER, self._on_message, self._on_tick, bind=address)

@@ -1,7 +1,7 @@
 """What a worker's engine is running right now, in a file that outlives the process.
 
 A worker that crashes (a segfault, an abort in native code) cannot say which ops it was
-running, as an engine fault does (treadle.server.runtime.faults). The engine loop writes
+running, as an engine fault does (treadle.protocol.faults). The engine loop writes
 the request ids of each engine call here before it starts and clears them when it ends:
 two stores into a memory-mapped page, which the kernel keeps when the process dies. The
 supervisor that started the worker reads them after a crash, and the API blames those ops

@@ -13,39 +13,46 @@ A replica that comes back later only gets the models placed on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from treadle.server.runtime.engine_client import EngineClient, EngineFacts, ReplicaStatus
-from treadle.server.runtime.ops import Op, OpKind
-from treadle.server.runtime.remote import RemoteEngine
+from treadle.protocol.facts import EngineFacts, ReplicaStatus
+from treadle.protocol.ops import Op, OpKind
+from treadle.server.engines.client import EngineClient
+from treadle.server.engines.remote import WorkerEngine
 
 log = logging.getLogger("treadle.replicas")
 
 # (replica, model ids to restore on it, request ids sent again by the caller) → restores
 # them (treadle.server.core.recovery.Recovery.restore_engine)
-Restore = Callable[[EngineClient, list[str] | None, set[str]], Awaitable[None]]
+Restore = Callable[[WorkerEngine, list[str] | None, set[str]], Awaitable[None]]
 
 
 class ReplicatedEngine(EngineClient):
     def __init__(
         self,
         name: str,
-        make_replica: Callable[[int, Callable[[RemoteEngine], Awaitable[None]]], RemoteEngine],
+        make_replica: Callable[[int, Callable[[WorkerEngine], Awaitable[None]]], WorkerEngine],
         restore: Restore,
         loop: asyncio.AbstractEventLoop,
         replicas: int = 1,
         failover_after_s: float = 10.0,
+        models_of: Callable[[], list[str]] = list,
     ):
+        """`models_of`: the training models of this base model the API holds (placed on a
+        replica when the first worker comes back after a restart)."""
         self._name = name
+        self._models_of = models_of
         self._make_replica = make_replica
         self._restore = restore
         self._loop = loop
         self.failover_after_s = failover_after_s
         self._lock = threading.RLock()
         self.replicas = [make_replica(i, self.restore_replica) for i in range(replicas)]
-        self._placed: dict[str, RemoteEngine] = {}  # training model → its replica
+        self._placed: dict[str, WorkerEngine] = {}  # training model → its replica
         self._moving: dict[str, list[Op]] = {}  # model being restored elsewhere → held ops
 
     # ---- facts ----
@@ -64,26 +71,19 @@ class ReplicatedEngine(EngineClient):
     def ready(self) -> bool:
         return any(r.ready for r in self.replicas)
 
-    def status(self) -> str:
-        serving = sum(r.ready for r in self.replicas)
-        if len(self.replicas) == 1:
-            return self.replicas[0].status()
-        return f"serving ({serving} of {len(self.replicas)} replicas)" if serving else "down"
-
-    def replicas_status(self) -> list[ReplicaStatus]:
-        """Each replica's worker, health and load (`treadle status`)."""
+    def status(self) -> list[ReplicaStatus]:
+        """Each replica's worker, health and load, with the sessions placed on it."""
         with self._lock:
             placed = dict(self._placed)
         out = []
-        for i, r in enumerate(self.replicas):
-            hello = r.worker
-            mine = tuple(sorted(m for m, owner in placed.items() if owner is r))
-            pid, device = (hello.pid, hello.device) if hello else (None, None)
-            out.append(ReplicaStatus(i, r.status(), pid, device, mine, len(r.unfinished())))
+        for r in self.replicas:
+            (mine,) = r.status()
+            models = tuple(sorted(m for m, owner in placed.items() if owner is r))
+            out.append(dataclasses.replace(mine, model_ids=models))
         return out
 
     # ---- the hub's side ----
-    def slot_for(self, replica: int) -> RemoteEngine:
+    def slot_for(self, replica: int) -> WorkerEngine:
         """The replica a HELLO takes: the one it names, else the first without a worker
         (a worker beyond the configured count adds a replica)."""
         with self._lock:
@@ -95,8 +95,11 @@ class ReplicatedEngine(EngineClient):
             self.replicas.append(self._make_replica(len(self.replicas), self.restore_replica))
             return self.replicas[-1]
 
-    async def restore_replica(self, replica: RemoteEngine) -> None:
-        """A replica's worker said HELLO: restore the models placed on it."""
+    async def restore_replica(self, replica: WorkerEngine) -> None:
+        """A replica's worker said HELLO: restore the models placed on it (models not placed
+        yet, after a restart of the API, are placed now, as new ones are)."""
+        for model_id in self._models_of():
+            self._replica_of(model_id)
         with self._lock:
             mine = [m for m, owner in self._placed.items() if owner is replica]
         await self._restore(replica, mine, set())
@@ -116,24 +119,9 @@ class ReplicatedEngine(EngineClient):
                 self._move(model_id, replica, target)
 
     # ---- EngineClient ----
-    def start(self) -> None:
-        pass
-
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self) -> None:
         for r in self.replicas:
-            r.stop(timeout_s)
-
-    def add_model(self, model_id: str, next_seq: int = 0) -> None:
-        self._replica_of(model_id).add_model(model_id, next_seq)
-
-    def has_model(self, model_id: str) -> bool:
-        with self._lock:
-            if model_id in self._moving:
-                return True
-        return self._replica_of(model_id).has_model(model_id)
-
-    def check_seq(self, model_id: str, seq_id: int) -> None:
-        self._replica_of(model_id).check_seq(model_id, seq_id)
+            r.stop()
 
     def submit(self, op: Op) -> None:
         # a model moving to another replica: its ops, and samples of its live weights, wait
@@ -152,39 +140,32 @@ class ReplicatedEngine(EngineClient):
     def is_live(self, ref: str) -> bool:
         return any(r.is_live(ref) for r in self.replicas)
 
-    async def load_sampler(self, ref: str, checkpoint_type: str, directory: str) -> None:
-        target = self._least_loaded() or self.replicas[0]
-        await target.load_sampler(ref, checkpoint_type, directory)
-
-    async def drop_ref(self, ref: str) -> None:
-        for r in self.replicas:
-            if r.is_live(ref):
-                await r.drop_ref(ref)
-
-    async def check_adapter(self, directory: str) -> None:
-        await (self._least_loaded() or self.replicas[0]).check_adapter(directory)
-
-    async def unload_model(self, model_id: str, reason: str) -> None:
-        replica = self._replica_of(model_id)
-        with self._lock:
-            self._placed.pop(model_id, None)
-        await replica.unload_model(model_id, reason)
-
-    async def restore_model(
-        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
-    ) -> None:
-        await self._replica_of(model_id).restore_model(model_id, state_dir, samplers, next_seq)
-
-    async def snapshot_all(self) -> None:
-        for r in self.replicas:
-            if r.ready:
-                await r.snapshot_all()
+    async def call(self, name: str, **args: Any) -> Any:
+        """A control call where it belongs: a model's on its replica, a new sampler on the
+        least loaded one, a sampler's drop on every replica holding it."""
+        if name in ("unload_model", "restore_model"):
+            replica = self._replica_of(args["model_id"])
+            if name == "unload_model":
+                with self._lock:
+                    self._placed.pop(args["model_id"], None)
+            return await replica.call(name, **args)
+        if name == "drop_ref":
+            for r in self.replicas:
+                if r.is_live(args["ref"]):
+                    await r.call(name, **args)
+            return None
+        if name == "snapshot_all":
+            for r in self.replicas:
+                if r.ready:
+                    await r.call(name, **args)
+            return None
+        return await (self._least_loaded() or self.replicas[0]).call(name, **args)
 
     def unfinished(self) -> list[Op]:
         return [op for r in self.replicas for op in r.unfinished()]
 
     # ---- placement ----
-    def _replica_of(self, model_id: str) -> RemoteEngine:
+    def _replica_of(self, model_id: str) -> WorkerEngine:
         with self._lock:
             found = self._placed.get(model_id)
             if found is None:
@@ -194,7 +175,7 @@ class ReplicatedEngine(EngineClient):
                 self._placed[model_id] = found
             return found
 
-    def _least_loaded(self, exclude: RemoteEngine | None = None) -> RemoteEngine | None:
+    def _least_loaded(self, exclude: WorkerEngine | None = None) -> WorkerEngine | None:
         with self._lock:
             load = {id(r): 0 for r in self.replicas}
             for owner in self._placed.values():
@@ -202,7 +183,7 @@ class ReplicatedEngine(EngineClient):
             serving = [r for r in self.replicas if r.ready and r is not exclude]
             return min(serving, key=lambda r: (load[id(r)], len(r.unfinished())), default=None)
 
-    def _sampler_replica(self, adapter: str | None) -> RemoteEngine:
+    def _sampler_replica(self, adapter: str | None) -> WorkerEngine:
         if adapter is not None:
             with self._lock:
                 if adapter in self._placed:  # a live training model's current weights
@@ -212,7 +193,7 @@ class ReplicatedEngine(EngineClient):
                     return r
         return self._least_loaded() or self.replicas[0]
 
-    def _move(self, model_id: str, source: RemoteEngine, target: RemoteEngine) -> None:
+    def _move(self, model_id: str, source: WorkerEngine, target: WorkerEngine) -> None:
         """Hub thread: restore the model on `target` (event loop), then send what waited."""
         with self._lock:
             if self._placed.get(model_id) is not source:

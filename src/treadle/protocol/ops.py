@@ -212,7 +212,7 @@ class Op:
     # Re-run during recovery to rebuild a model's state: its outcome was already recorded
     # (or is being recorded), so nobody hears of it again.
     replay: bool = False
-    # Engine faults this op was running at (treadle.server.runtime.faults): from 1 on it
+    # Engine faults this op was running at (treadle.protocol.faults): from 1 on it
     # runs alone, so that the next fault, if any, names the op that caused it.
     faults: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -308,6 +308,70 @@ class SequenceRecord:
 
 
 @dataclass
+class CheckpointRecord:
+    """A checkpoint folder a save wrote: its row, committed with the save's result."""
+
+    tinker_path: str
+    run_id: str
+    model_id: str
+    checkpoint_type: str  # training | sampler | external
+    name: str
+    dir: str
+    base_model: str
+    lora_config: dict[str, Any]
+    size_bytes: int
+    tenant_id: str
+    user_metadata: dict[str, Any] | None = None
+
+
+@dataclass
+class SamplerRecord:
+    """A sampling session a snapshot op made (its weights in the worker's memory)."""
+
+    sampling_session_id: str
+    session_id: str | None
+    seq_id: int | None
+    base_model: str
+    model_id: str
+    engine_ref: str
+    tenant_id: str
+
+
+@dataclass
+class VersionRecord:
+    """A model package version whose files a save stored (a folder or S3 objects, complete):
+    the API numbers it and registers it with the save's result."""
+
+    tenant_id: str
+    group_name: str
+    kind: str  # sampler | merged | state
+    location: str
+    size_bytes: int
+    encrypted: bool
+    key_id: str | None
+    base_model: str
+    lora_config: dict[str, Any]
+    name: str | None = None
+    session_id: str | None = None
+    model_id: str | None = None
+    run_id: str | None = None
+    step: int | None = None
+    user_metadata: dict[str, Any] | None = None
+    tinker_path: str | None = None
+    source: str | None = None
+
+
+@dataclass
+class Saved:
+    """What a save wrote besides files, for the API to commit in the transaction of its
+    result (the worker writes no database rows)."""
+
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    samplers: list[SamplerRecord] = field(default_factory=list)
+    versions: list[VersionRecord] = field(default_factory=list)
+
+
+@dataclass
 class Progress:
     """Tokens a streamed sample op sampled since its last Progress (not an outcome: nothing
     is recorded), each as (sample index, position, token id, logprob). An op run again (its
@@ -324,7 +388,8 @@ class Outcome:
 
     `body` / `content_type` hold the wire form once made (treadle.server.core.results), so a
     result is encoded once, off the event loop, for both the database and the poll.
-    `records`: sampled sequences committed with the result (record_stability_info).
+    `records`: sampled sequences committed with the result (record_stability_info);
+    `saved`: the rows a save's files need (checkpoint, sampler, versions), committed with it.
     `started_at` / `finished_at` are wall-clock seconds (time.time(), comparable across
     processes) of the engine call that produced it, stamped by the engine loop; None for an
     op that never reached the engine (refused, or its model gone).
@@ -337,6 +402,7 @@ class Outcome:
     body: bytes | None = None
     content_type: str | None = None
     records: list[SequenceRecord] = field(default_factory=list)
+    saved: Saved | None = None
     started_at: float | None = None
     finished_at: float | None = None
 

@@ -1,9 +1,10 @@
-"""The served base models and their engine handles (treadle.server.runtime.engine_client)."""
+"""The served base models and their engine handles (treadle.server.engines.client)."""
 
 from __future__ import annotations
 
 from treadle.errors import InvalidRequestError
-from treadle.server.runtime.engine_client import EngineClient, EngineFacts
+from treadle.protocol.facts import EngineFacts
+from treadle.server.engines.client import EngineClient
 
 
 class Engines:

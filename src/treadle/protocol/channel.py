@@ -45,7 +45,9 @@ class Channel:
         tick_s: float = TICK_S,
     ):
         assert (bind is None) != (connect is None), "bind or connect, not both"
-        self.ctx = zmq.Context()
+        # inproc:// (a worker on a thread of the API process) needs one context for both ends
+        self._inproc = (bind or connect or "").startswith("inproc://")
+        self.ctx = zmq.Context.instance() if self._inproc else zmq.Context()
         self.socket = self.ctx.socket(socket_type)
         self.socket.setsockopt(zmq.LINGER, 0)
         if identity is not None:
@@ -85,7 +87,8 @@ class Channel:
             self.socket.close(int(linger_s * 1000))
             os.close(self._wake_r)
             os.close(self._wake_w)
-        self.ctx.term()
+        if not self._inproc:
+            self.ctx.term()
 
     def send(self, frames: list[bytes]) -> None:
         """Any thread: put frames on the socket now (in order, per sending thread)."""

@@ -7,7 +7,7 @@ spread one bad moment to every session on the model. Instead, the engine loop ra
 EngineFault out of the executor, carrying the ops that were running. A worker process then
 reports them to the API (Kind.FAULT) and exits. Its supervisor starts a new
 process on a fresh device context, recovery restores the sessions, and the acknowledged ops
-run again (treadle.server.runtime.remote).
+run again (treadle.server.engines.remote).
 
 An op that was running at a fault runs alone when it runs again (`Op.faults`: not merged into
 another session's train call, not in the shared decode batch). If it was the cause, the next
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from treadle.server.runtime.ops import Op
+from treadle.protocol.ops import Op
 
 MAX_FAULTS = 2
 EXIT_ENGINE_FAULT = 76  # a worker's exit status after an engine fault (75: a broken group)

@@ -1,22 +1,23 @@
-"""Engines in worker processes, seen from the API: one RemoteEngine (an EngineClient) per
-worker group of a served model (the hub they connect to: treadle.server.runtime.hub).
+"""Engines in workers, seen from the API: one WorkerEngine (an EngineClient) per worker group
+of a served model (the hub they connect to: treadle.server.engines.hub).
 
 A worker (treadle.worker) connects its DEALER socket to the hub's ROUTER and says HELLO
 (its model, its facts, the hub's token); the hub answers WELCOME and hands it to the
-RemoteEngine of its model. The RemoteEngine keeps, on the API side, what it must answer
-without asking the worker: the seq_ids each model has used, the sampler weights the worker
-holds, and every op sent but not finished. When its worker goes silent (no heartbeat for
-`dead_after_s`) or its process exits, the engine is down: ops wait in the outbox, and when
-a worker of the model is back, `on_ready` restores the models (treadle.server.core.
-recovery), then the unfinished ops are sent again, in their order. A future never hangs:
-if no worker returns within `give_up_after_s`, the engine's unfinished ops fail with
-EngineDeadError. A worker whose engine faulted (treadle.server.runtime.faults) says which
-ops were running before it exits: they run alone on the next worker, and one that was
-running at MAX_FAULTS faults fails with DeviceFaultError instead of running again. A
-replay (an op that ran before, re-run to restore its model) cannot be refused that way: its
-model is then `unrestorable`, and recovery gives that one model up instead of the worker
-restarting forever; so is a model whose state crashes its worker, MAX_FAULTS times, while it
-is loaded to restore the model (the worker names that restore as running: `restore_id`).
+WorkerEngine of its model. The worker owns its models' state (their seq_id order, their
+adapters); the WorkerEngine keeps, on the API side, only what survives the worker: every op
+sent but not finished, the faults counted against ops across workers, and a cache of the
+sampler weights the worker says it holds. When its worker goes silent (no heartbeat for
+`dead_after_s`) or ends, the engine is down: ops wait in the outbox, and when a worker of
+the model is back, `on_ready` restores the models (treadle.server.core.recovery), then the
+unfinished ops are sent again, in their order. A future never hangs: if no worker returns
+within `give_up_after_s`, the engine's unfinished ops fail with EngineDeadError. A worker
+whose engine faulted (treadle.protocol.faults) says which ops were running before it ends:
+they run alone on the next worker, and one that was running at MAX_FAULTS faults fails with
+DeviceFaultError instead of running again. A replay (an op that ran before, re-run to
+restore its model) cannot be refused that way: its model is then `unrestorable`, and
+recovery gives that one model up instead of the worker restarting forever; so is a model
+whose state crashes its worker, MAX_FAULTS times, while it is loaded to restore the model
+(the worker names that restore as running: `restore_id`).
 """
 
 from __future__ import annotations
@@ -28,73 +29,30 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from treadle.errors import (
-    DeviceFaultError,
-    EngineDeadError,
-    ErrorInfo,
-    InvalidRequestError,
-    NotFoundError,
-)
-from treadle.server.runtime import messages
-from treadle.server.runtime.engine_client import (
-    EngineFacts,
-    NamedControls,
-    OnOutcomes,
-    OnProgress,
-    OnSnapshot,
-)
-from treadle.server.runtime.faults import MAX_FAULTS, restore_id, restored_model
-from treadle.server.runtime.live_weights import StateSnapshot
-from treadle.server.runtime.messages import Kind
-from treadle.server.runtime.ops import Op, OpKind, Outcome, Progress, Skip
+from treadle.errors import DeviceFaultError, EngineDeadError, ErrorInfo
+from treadle.protocol import messages
+from treadle.protocol.facts import EngineFacts, ReplicaStatus, StateSnapshot
+from treadle.protocol.faults import MAX_FAULTS, restore_id, restored_model
+from treadle.protocol.messages import Kind
+from treadle.protocol.ops import Op, OpKind, Outcome, Progress, Skip
+from treadle.server.engines.client import EngineClient, OnOutcomes, OnProgress, OnSnapshot
 
 if TYPE_CHECKING:
-    from treadle.server.runtime.hub import WorkerHub
+    from treadle.server.engines.hub import WorkerHub
 
 log = logging.getLogger("treadle.remote")
 
-TOKEN_ENV = "TREADLE_WORKER_TOKEN"  # the hub's secret, for workers started elsewhere
 
-
-@dataclass
-class _Seqs:
-    """A model's seq_ids as the API knows them: every one below `ran_below` finished, and
-    `finished` holds those above it (refused while parked behind a gap, say)."""
-
-    ran_below: int = 0
-    pending: set[int] = field(default_factory=set)
-    finished: set[int] = field(default_factory=set)
-
-    def used(self, seq_id: int) -> bool:
-        return seq_id < self.ran_below or seq_id in self.pending or seq_id in self.finished
-
-    def advance_to(self, next_seq: int) -> None:
-        """The worker's queue expects next_seq: everything below is closed."""
-        if next_seq > self.ran_below:
-            self.ran_below = next_seq
-            self.finished = {s for s in self.finished if s >= next_seq}
-            self.pending = {s for s in self.pending if s >= next_seq}
-
-    def done(self, seq_id: int) -> None:
-        self.pending.discard(seq_id)
-        if seq_id >= self.ran_below:
-            self.finished.add(seq_id)
-        while self.ran_below in self.finished:
-            self.finished.discard(self.ran_below)
-            self.ran_below += 1
-
-
-class RemoteEngine(NamedControls):
+class WorkerEngine(EngineClient):
     def __init__(
         self,
         name: str,
         hub: WorkerHub,
         on_outcomes: OnOutcomes,
         on_snapshot: OnSnapshot,
-        on_ready: Callable[[RemoteEngine], Awaitable[None]],
+        on_ready: Callable[[WorkerEngine], Awaitable[None]],
         loop: asyncio.AbstractEventLoop,
         give_up_after_s: float = 120.0,
         replica: int = 0,
@@ -113,7 +71,6 @@ class RemoteEngine(NamedControls):
         self._identity: bytes | None = None
         self._ready = False  # a worker is connected and its models are restored
         self._down_since: float | None = time.monotonic()
-        self._seqs: dict[str, _Seqs] = {}
         self._live: set[str] = set()
         self._sent: dict[str, Op] = {}  # every op handed to this engine and not finished
         self._outbox: list[Op] = []  # ops waiting for a worker
@@ -123,49 +80,18 @@ class RemoteEngine(NamedControls):
         self._unrestorable: dict[str, str] = {}  # model → why its replays cannot run
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self.first_hello = asyncio.Event()
         self.worker: messages.Hello | None = None
 
     # ---- EngineClient ----
-    def start(self) -> None:  # the hub and the supervisor start the worker side
-        pass
-
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Ask the worker to drain and end (a worker this server did not start)."""
         with self._lock:
             identity = self._identity
         if identity is not None:
             self.hub.send(identity, Kind.SHUTDOWN, b"")
 
-    def add_model(self, model_id: str, next_seq: int = 0) -> None:
-        with self._lock:
-            self._seqs.setdefault(model_id, _Seqs(ran_below=next_seq))
-        self._control_nowait("add_model", model_id=model_id, next_seq=next_seq)
-
-    def has_model(self, model_id: str) -> bool:
-        with self._lock:
-            return model_id in self._seqs
-
-    def check_seq(self, model_id: str, seq_id: int) -> None:
-        with self._lock:
-            seqs = self._seqs.get(model_id)
-            if seqs is None:
-                raise NotFoundError(f"model_id {model_id!r} is not loaded on this server")
-            if seqs.used(seq_id):
-                raise InvalidRequestError(
-                    f"seq_id: {seq_id} was already used for model {model_id!r} "
-                    f"(next expected: {seqs.ran_below})"
-                )
-
     def submit(self, op: Op) -> None:
         with self._lock:
-            if op.kind != OpKind.SAMPLE:
-                seqs = self._seqs.get(op.model_id)
-                if seqs is None and not op.replay:
-                    refused = NotFoundError(f"model {op.model_id!r} was unloaded")
-                    self._outcomes_later([Outcome.failed(op.request_id, refused)])
-                    return
-                if seqs is not None:
-                    seqs.pending.add(op.seq_id)
             if op.replay:
                 op.faults = self._replay_faults.get(op.request_id, op.faults)
             self._sent[op.request_id] = op
@@ -175,39 +101,44 @@ class RemoteEngine(NamedControls):
             identity = self._identity
         self._send_op(identity, op)
 
+    async def call(self, name: str, **args: Any) -> Any:
+        with self._lock:
+            if self._identity is None:
+                raise EngineDeadError(
+                    f"the engine of model {self.name!r} is restarting; retry in a few seconds"
+                )
+        value = await asyncio.wrap_future(self._call_nowait(name, **args))
+        if name == "restore_model":
+            with self._lock:  # its state loads well
+                self._replay_faults.pop(restore_id(args["model_id"]), None)
+        return value
+
+    def status(self) -> list[ReplicaStatus]:
+        hello = self.worker
+        pid, device = (hello.pid or None, hello.device) if hello else (None, None)
+        return [ReplicaStatus(self.replica, self.state(), pid, device, (), len(self._sent))]
+
     def is_live(self, ref: str) -> bool:
         with self._lock:
             return ref in self._live
 
     def unrestorable(self, model_id: str) -> str | None:
+        """Why a model must not be restored here (replaying its op log kept faulting the
+        engine: treadle.protocol.faults), or None."""
         with self._lock:
             return self._unrestorable.get(model_id)
 
-    async def unload_model(self, model_id: str, reason: str) -> None:
+    def state(self) -> str:
+        """serving, restoring (a worker is here, its models coming back) or down."""
         with self._lock:
-            self._seqs.pop(model_id, None)
-        await super().unload_model(model_id, reason)
-
-    async def restore_model(
-        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
-    ) -> None:
-        with self._lock:
-            seqs = self._seqs.setdefault(model_id, _Seqs())
-            seqs.ran_below = max(seqs.ran_below, next_seq)
-        await super().restore_model(model_id, state_dir, samplers, next_seq)
-        with self._lock:
-            self._replay_faults.pop(restore_id(model_id), None)  # its state loads well
+            if self._ready:
+                return "serving"
+            return "restoring" if self._identity is not None else "down"
 
     # ---- facts for the hub and recovery ----
     @property
     def ready(self) -> bool:
         return self._ready
-
-    def status(self) -> str:
-        with self._lock:
-            if self._ready:
-                return "serving"
-            return "restoring" if self._identity is not None else "down"
 
     def unfinished(self) -> list[Op]:
         """Ops handed to this engine whose outcome has not come back (oldest first)."""
@@ -226,16 +157,11 @@ class RemoteEngine(NamedControls):
     def take_model(self, model_id: str) -> list[Op]:
         """Forget a model moving to another replica; → its ops not finished here."""
         with self._lock:
-            self._seqs.pop(model_id, None)
             ops = [op for op in self._sent.values() if op.model_id == model_id]
             for op in ops:
                 del self._sent[op.request_id]
             self._outbox = [op for op in self._outbox if op.model_id != model_id]
         return [op for op in ops if not op.replay]
-
-    def models(self) -> list[str]:
-        with self._lock:
-            return list(self._seqs)
 
     # ---- the worker's side of things (the hub's IO thread) ----
     def attach(self, identity: bytes, hello: messages.Hello) -> None:
@@ -250,10 +176,7 @@ class RemoteEngine(NamedControls):
             for rid, op in list(self._sent.items()):
                 if op.replay:
                     del self._sent[rid]
-                    if (seqs := self._seqs.get(op.model_id)) is not None:
-                        seqs.pending.discard(op.seq_id)
         log.info("worker %s (pid %s) serves %s", hello.worker_id, hello.pid, self.name)
-        self._loop.call_soon_threadsafe(self.first_hello.set)
         asyncio.run_coroutine_threadsafe(self._restore(), self._loop)
 
     def lost(self, reason: str) -> None:
@@ -272,7 +195,7 @@ class RemoteEngine(NamedControls):
 
     def handle(self, kind: Kind, body: bytes) -> None:
         if kind == Kind.OUTCOMES:
-            self._got_outcomes(*messages.decode_outcomes(body))
+            self._got_outcomes(messages.decode_outcomes(body))
         elif kind == Kind.PROGRESS:
             self._got_progress(messages.decode(body, messages.ProgressMsg).items)
         elif kind == Kind.REPLY:
@@ -351,18 +274,13 @@ class RemoteEngine(NamedControls):
         if identity is not None:
             self.hub.send(identity, Kind.OP, messages.encode_op(op, op.encoded))
 
-    def _got_outcomes(self, outcomes: list[Outcome], next_seqs: dict[str, int]) -> None:
+    def _got_outcomes(self, outcomes: list[Outcome]) -> None:
         heard = []
         with self._lock:
-            for model_id, next_seq in next_seqs.items():
-                if (seqs := self._seqs.get(model_id)) is not None:
-                    seqs.advance_to(next_seq)
             for o in outcomes:
                 op = self._sent.pop(o.request_id, None)
                 if op is None:
                     continue  # failed already (the engine was down too long)
-                if op.kind != OpKind.SAMPLE and (seqs := self._seqs.get(op.model_id)):
-                    seqs.done(op.seq_id)
                 if op.replay:
                     self._replay_faults.pop(o.request_id, None)
                 else:
@@ -443,7 +361,7 @@ class RemoteEngine(NamedControls):
         # never from under our lock: the callback takes the journal's
         threading.Thread(target=self._on_outcomes, args=(outcomes,), daemon=True).start()
 
-    def _control_nowait(self, name: str, **args: Any) -> concurrent.futures.Future:
+    def _call_nowait(self, name: str, **args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             identity = self._identity
@@ -456,14 +374,6 @@ class RemoteEngine(NamedControls):
         body = messages.encode(messages.Call(call_id, name, args))
         self.hub.send(identity, Kind.CALL, body)
         return fut
-
-    async def _control(self, name: str, **args: Any) -> Any:
-        with self._lock:
-            if self._identity is None:
-                raise EngineDeadError(
-                    f"the engine of model {self.name!r} is restarting; retry in a few seconds"
-                )
-        return await asyncio.wrap_future(self._control_nowait(name, **args))
 
 
 def _order(op: Op) -> tuple[int, float]:

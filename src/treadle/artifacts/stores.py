@@ -2,7 +2,7 @@
 
 A version is a set of files under one location (a folder, or `s3://bucket/prefix/...`),
 written by `put_files` and read back by `get_files`, optionally encrypted per file
-(treadle.server.storage.encryption). Each location ends with `manifest.json`, written last: a
+(treadle.artifacts.encryption). Each location ends with `manifest.json`, written last: a
 location without it was never finished.
 
 S3 settings come from the environment, like any boto3 program: credentials
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from treadle.artifacts import encryption
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.server.storage import encryption
 
 MANIFEST = "manifest.json"
 READ_CHUNK = 1 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from treadle.engine.types import SampleResult
-from treadle.server.runtime.ops import (
+from treadle.protocol.ops import (
     Op,
     Outcome,
     Sample,

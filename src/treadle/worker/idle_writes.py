@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from treadle.server.runtime.engine_client import SnapshotPolicy
-from treadle.server.runtime.ops import Op, OpKind, Outcome
+from treadle.protocol.facts import SnapshotPolicy
+from treadle.protocol.ops import Op, OpKind, Outcome
 
 log = logging.getLogger("treadle.engine_loop")  # the engine loop runs these jobs
 

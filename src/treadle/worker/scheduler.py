@@ -3,7 +3,7 @@ when decoding gives way to them, and the rules for ops parked behind a gap in th
 model's seq_ids.
 
 Functions of the queues (`plan_round`, `yield_decode`, `enqueue`, `expire_parked`), tested
-alone; the engine loop (treadle.server.runtime.engine_loop) calls them under its lock.
+alone; the engine loop (treadle.worker.loop) calls them under its lock.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from treadle.errors import ErrorInfo, InvalidRequestError
-from treadle.server.runtime.ops import TRAIN_KINDS, Op, OpKind, Outcome, Skip, TrainData
+from treadle.protocol.ops import TRAIN_KINDS, Op, OpKind, Outcome, Skip, TrainData
 
 # Consecutive train ops of one model merged into one engine call hold at most this many tokens.
 DEFAULT_MAX_MERGE_TOKENS = 65536
@@ -71,11 +71,16 @@ def enqueue(queue: ModelQueue, op: Op, limits: ParkLimits) -> InvalidRequestErro
     with no room left for one leaves a gap, closed at the deadline (expire_parked). An op
     whose seq_id the model has moved past (expire_parked closed it) is refused.
     """
+    if op.seq_id in queue.pending:
+        return InvalidRequestError(
+            f"seq_id: {op.seq_id} of model {op.model_id!r} is already queued; a request is "
+            "sent again with the seq_id it was first sent with, and answered once"
+        )
     if op.seq_id < queue.next_seq:
         return InvalidRequestError(
-            f"seq_id {op.seq_id} of model {op.model_id!r} was given up: the requests after "
-            "it waited past parked_op_timeout_s and were cancelled; the model continues "
-            f"from seq_id {queue.next_seq}"
+            f"seq_id: {op.seq_id} of model {op.model_id!r} is behind the model, which "
+            f"continues from seq_id {queue.next_seq} (it ran already, or it was given up "
+            "after the requests behind it waited past parked_op_timeout_s)"
         )
     gap = queue.first_gap()
     if op.seq_id <= gap:
@@ -176,7 +181,7 @@ def plan_round(
     engine takes forward_only per call); pending samples (up to max_sample_batch, the room
     the decode batch has left, oldest first) join the decode batch in one prefill. Within a
     round: singles, then train, then sample; then the loop decodes until `yield_decode`.
-    An op that was running at an engine fault (`op.faults`, treadle.server.runtime.faults)
+    An op that was running at an engine fault (`op.faults`, treadle.protocol.faults)
     is a call of its own: its train run holds only it, and a sample op of that kind is a
     step of its own, which the executor runs outside the shared decode batch.
     """

@@ -28,26 +28,15 @@ import threading
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from treadle.engine.types import SampleRequest
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
-from treadle.server.runtime.ops import Op
+from treadle.protocol.facts import StateSnapshot
+from treadle.protocol.ops import Op
 
 log = logging.getLogger("treadle.executor")
-
-
-@dataclass
-class StateSnapshot:
-    """A model's state on disk after op `seq_id`, and the sampler snapshots of it then in
-    memory (engine id → folder): what recovery loads before replaying later ops."""
-
-    model_id: str
-    seq_id: int
-    dir: str
-    samplers: dict[str, str] = field(default_factory=dict)
 
 
 class LiveWeights:

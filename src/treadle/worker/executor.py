@@ -3,7 +3,7 @@
 Runs on the engine thread only (except `is_live` and `sampling`, which any thread may ask).
 Saves go through the CheckpointWriter; the sampler weights in memory (snapshots of training
 models, checkpoints loaded for sampling, the "live refs") and state snapshots are kept by
-its base, LiveWeights (treadle.server.runtime.live_weights).
+its base, LiveWeights (treadle.worker.live_weights).
 
 Sample ops join the engine's DecodeBatch (`admit_samples`) and finish a few decode steps at
 a time (`decode`), while other ops run between the steps. The weights a sample op arrived
@@ -25,11 +25,8 @@ from typing import Any
 
 from treadle.engine.device_faults import is_device_fault
 from treadle.engine.types import TrainBatch
-from treadle.server.runtime.checkpoint_writer import CheckpointWriter
-from treadle.server.runtime.deferred import Deferred
-from treadle.server.runtime.faults import EngineFault
-from treadle.server.runtime.live_weights import LiveWeights
-from treadle.server.runtime.ops import (
+from treadle.protocol.faults import EngineFault
+from treadle.protocol.ops import (
     CreateAdapter,
     LoadResult,
     LoadWeights,
@@ -40,6 +37,7 @@ from treadle.server.runtime.ops import (
     OptimStep,
     Outcome,
     Progress,
+    Saved,
     SaveResult,
     SaveSampler,
     SaveState,
@@ -48,7 +46,10 @@ from treadle.server.runtime.ops import (
     TrainData,
     Usage,
 )
-from treadle.server.runtime.outcomes import failure, sample_outcome
+from treadle.worker.checkpoints import CheckpointWriter
+from treadle.worker.idle_writes import Deferred
+from treadle.worker.live_weights import LiveWeights
+from treadle.worker.outcomes import failure, sample_outcome
 
 log = logging.getLogger("treadle.executor")
 
@@ -241,14 +242,14 @@ class OpExecutor(LiveWeights):
 
     def _save_state(self, op: Op) -> Outcome:
         assert isinstance(op.payload, SaveState)
-        return Outcome.ok(op.request_id, self.writer.save_state(op.model_id, op.payload))
+        return _saved(op, *self.writer.save_state(op.model_id, op.payload))
 
     def _save_sampler(self, op: Op) -> Deferred:
         """Freeze the weights now (memory only), write them to disk at an idle moment: the
         model's next ops need not wait for the disk."""
         assert isinstance(op.payload, SaveSampler)
         write = self.writer.save_sampler(op.request_id, op.model_id, op.payload)
-        return Deferred(op, lambda: Outcome.ok(op.request_id, write()), model_id=op.model_id)
+        return Deferred(op, lambda: _saved(op, *write()), model_id=op.model_id)
 
     def _snapshot(self, op: Op) -> Outcome:
         """save_weights_for_sampler without a name: a sampler served from memory at once."""
@@ -257,8 +258,14 @@ class OpExecutor(LiveWeights):
         snap = f"snap:{p.sampling_session_id}"
         if op.replay:  # recovery: only the weights in memory, recorded once already
             self.engine.snapshot(op.model_id, snap)
-            result = SaveResult(None, "save_weights_for_sampler")
+            outcome = Outcome.ok(op.request_id, SaveResult(None, "save_weights_for_sampler"))
         else:
-            result = self.writer.snapshot(op.model_id, snap, p)
+            outcome = _saved(op, *self.writer.snapshot(op.model_id, snap, p))
         self.keep_snapshot(op.model_id, snap)
-        return Outcome.ok(op.request_id, result)
+        return outcome
+
+
+def _saved(op: Op, result: SaveResult, saved: Saved) -> Outcome:
+    outcome = Outcome.ok(op.request_id, result)
+    outcome.saved = saved
+    return outcome

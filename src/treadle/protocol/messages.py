@@ -1,6 +1,6 @@
 """What crosses between the API process and an engine worker: typed messages in msgpack.
 
-Ops and outcomes are the dataclasses of treadle.server.runtime.ops, encoded field by field
+Ops and outcomes are the dataclasses of treadle.protocol.ops, encoded field by field
 with msgspec (no pickle: a worker may connect from another machine). numpy arrays travel
 as one msgpack extension each (dtype, shape, raw bytes) and come back as views of the
 received buffer: a forward_backward's tokens cross the boundary once, with no per-element
@@ -22,8 +22,8 @@ import numpy as np
 
 from treadle.engine.types import SampleResult, TrainResult
 from treadle.errors import ErrorInfo
-from treadle.server.runtime.engine_client import EngineFacts
-from treadle.server.runtime.ops import (
+from treadle.protocol.facts import EngineFacts
+from treadle.protocol.ops import (
     PAYLOAD_OF_KIND,
     LoadResult,
     ModelResult,
@@ -33,12 +33,13 @@ from treadle.server.runtime.ops import (
     Outcome,
     Payload,
     Progress,
+    Saved,
     SaveResult,
     SequenceRecord,
     Usage,
 )
 
-PROTOCOL = 2
+PROTOCOL = 3
 _ARRAY = 1  # msgpack extension code of a numpy array
 
 
@@ -55,7 +56,7 @@ class Kind(enum.StrEnum):
     REPLY = "reply"  # its answer
     REFS = "refs"  # sampler weights the worker now holds / dropped
     SNAPSHOT = "snapshot"  # a model's state was written to disk up to a seq_id
-    FAULT = "fault"  # the engine cannot go on: the worker exits (treadle.server.runtime.faults)
+    FAULT = "fault"  # the engine cannot go on: the worker exits (treadle.protocol.faults)
     HEARTBEAT = "heartbeat"
     REJOIN = "rejoin"  # the API does not know this worker (any more): say HELLO again
     SHUTDOWN = "shutdown"  # drain what was acknowledged, snapshot, exit
@@ -80,7 +81,7 @@ class Welcome:
 @dataclass
 class Call:
     call_id: int
-    name: str  # a method of the worker's control surface (treadle.worker.worker)
+    name: str  # a control call of the worker's engine loop (treadle.worker.loop CONTROLS)
     args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,13 +96,6 @@ class Reply:
 class Refs:
     added: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Snapshotted:
-    model_id: str
-    seq_id: int  # the state on disk is that after this op
-    dir: str
 
 
 @dataclass
@@ -140,6 +134,7 @@ class _OutcomeMsg:
     error: ErrorInfo | None
     usage: Usage
     records: list[SequenceRecord]
+    saved: Saved | None
     started_at: float | None  # wall-clock seconds: comparable across processes
     finished_at: float | None
 
@@ -206,29 +201,33 @@ def decode_op(data: bytes | memoryview) -> Op:
 @dataclass
 class _OutcomesMsg:
     outcomes: list[_OutcomeMsg]
-    # each model's next seq_id in the worker's queue after these outcomes: ops refused or
-    # timed out behind a gap finish out of order, so the API cannot infer it
-    next_seqs: dict[str, int]
 
 
 # ---- outcomes ----
-def encode_outcomes(outcomes: list[Outcome], next_seqs: dict[str, int] | None = None) -> bytes:
+def encode_outcomes(outcomes: list[Outcome]) -> bytes:
     msgs = []
     for o in outcomes:
         kind = type(o.result).__name__ if o.result is not None else None
         raw = msgspec.Raw(encode(o.result))
         msgs.append(
             _OutcomeMsg(
-                o.request_id, kind, raw, o.error, o.usage, o.records, o.started_at, o.finished_at
+                o.request_id,
+                kind,
+                raw,
+                o.error,
+                o.usage,
+                o.records,
+                o.saved,
+                o.started_at,
+                o.finished_at,
             )
         )
-    return encode(_OutcomesMsg(msgs, next_seqs or {}))
+    return encode(_OutcomesMsg(msgs))
 
 
-def decode_outcomes(data: bytes | memoryview) -> tuple[list[Outcome], dict[str, int]]:
-    msg = decode(data, _OutcomesMsg)
+def decode_outcomes(data: bytes | memoryview) -> list[Outcome]:
     out = []
-    for m in msg.outcomes:
+    for m in decode(data, _OutcomesMsg).outcomes:
         result = None
         if m.result_type is not None:
             result = decode(m.result, _RESULT_TYPES[m.result_type])
@@ -239,8 +238,9 @@ def decode_outcomes(data: bytes | memoryview) -> tuple[list[Outcome], dict[str, 
                 error=m.error,
                 usage=m.usage,
                 records=m.records,
+                saved=m.saved,
                 started_at=m.started_at,
                 finished_at=m.finished_at,
             )
         )
-    return out, msg.next_seqs
+    return out

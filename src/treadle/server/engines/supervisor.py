@@ -9,10 +9,10 @@ With `devices` N > 1 the child is `torchrun --standalone --nproc-per-node N` run
 worker (treadle.worker.group): a group of N ranks for the model. A rank that dies takes
 the group down (torchrun ends the others and exits), and the group is started again as
 one worker would be. On GPUs each group gets GPUs of its own while there are enough
-(treadle.server.runtime.placement), through its CUDA_VISIBLE_DEVICES.
+(treadle.server.engines.placement), through its CUDA_VISIBLE_DEVICES.
 
 A worker that crashed (killed by a signal of its own making: a segfault, an abort, a bus
-error) leaves in its flight recorder (treadle.worker.flight_recorder) the ops it was
+error) leaves in its flight recorder (treadle.protocol.flight_recorder) the ops it was
 running; they go with the exit to the hub, which blames them as it blames the ops of a
 reported engine fault. A group's exit status is torchrun's, which does not say how its
 rank died: the ranks' crash logs do. A SIGKILL is someone else's doing (an operator) and
@@ -23,6 +23,7 @@ kill every new worker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,16 +35,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from treadle.sandbox.cgroup import own_oom_kills
-from treadle.server.config import ServerConfig
-from treadle.server.runtime.placement import plan_gpus
-from treadle.server.runtime.remote import TOKEN_ENV
-from treadle.worker.flight_recorder import (
+from treadle.protocol.flight_recorder import (
     FLIGHT_RECORDER_ENV,
     clear_crash_logs,
     read_crash,
     read_running,
 )
+from treadle.protocol.worker_config import TOKEN_ENV, WorkerConfig
+from treadle.sandbox.cgroup import own_oom_kills
+from treadle.server.config import ServerConfig
+from treadle.server.engines.placement import plan_gpus
 
 log = logging.getLogger("treadle.supervisor")
 
@@ -51,6 +52,12 @@ MAX_BACKOFF_S = 10.0
 CRASH_SIGNALS = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 )
+
+
+def worker_config(config: ServerConfig, name: str, path: str) -> WorkerConfig:
+    """The settings a worker of model `name` gets from the server's own (same names)."""
+    fields = {f.name for f in dataclasses.fields(WorkerConfig)} - {"name", "path"}
+    return WorkerConfig(name=name, path=path, **{f: getattr(config, f) for f in fields})
 
 
 def _die_with_parent() -> None:

@@ -1,11 +1,14 @@
-"""The engine loop: one thread per served base model, feeding its Engine in rounds.
+"""The engine loop: the thread of a worker that feeds its Engine in rounds.
 
-Each round, `plan_round` (the scheduling rule, treadle.server.runtime.scheduler) picks what
+Each round, `plan_round` (the scheduling rule, treadle.worker.scheduler) picks what
 may run now; the loop executes those steps through an OpExecutor and hands the outcomes on
-(the journal commits them, then their polls get them from memory). Ops reach the loop in
-memory, right after their row is committed; only the engine thread ever touches the Engine.
-The thread sleeps on a condition until a submit, a control call or a deferred write wakes
-it: no timer.
+(the worker sends them to the API, which commits them, then their polls get them). Only the
+engine thread ever touches the Engine. The thread sleeps on a condition until a submit, a
+control call or a deferred write wakes it: no timer.
+
+The loop owns its models' order: each model's queue opens with its first op (seq_id 0: a
+create, or a load that creates) or a restore, and runs its ops strictly in seq_id order; an op whose model has no queue (it
+was unloaded, or never made here) fails at once, and so does one whose seq_id already ran.
 
 Sampling does not hold the thread for a whole generation: new sample ops join the engine's
 decode batch, and each round ends with a slice of decode steps, which stops as soon as
@@ -15,14 +18,14 @@ Tokens of streamed sample ops go to `on_progress` after every step.
 
 If the loop itself dies (an error outside any one op), every queued op fails with
 EngineDeadError and so does every later submit: a future never waits on a dead engine.
-Given `on_fault` (a worker process), an engine fault (treadle.server.runtime.faults) or
-the loop's death goes there instead, and the worker exits: the API runs the acknowledged
-ops again on a new one. `on_running` hears the request ids of each engine call before it
+Given `on_fault` (a worker), an engine fault (treadle.protocol.faults) or the loop's death
+goes there instead, and the worker ends: the API runs the acknowledged ops again on a new
+one. `on_running` hears the request ids of each engine call before it
 starts (and [] when it ends), for a crash that leaves no time to say (treadle.worker.
 flight_recorder); a restore of a model's state is named by its `restore_id`, so that a
 model whose state crashes every worker that loads it is given up, not restored forever.
 
-Durability: when a model's snapshot is due (treadle.server.runtime.deferred), its state is
+Durability: when a model's snapshot is due (treadle.worker.idle_writes), its state is
 written at an idle moment (executor.snapshot_state) and announced with the seq_id it
 covers; recovery loads the last one and replays the ops after it (ops marked `replay`,
 whose outcomes nobody hears again).
@@ -30,7 +33,6 @@ whose outcomes nobody hears again).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -40,20 +42,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
-from treadle.server.runtime.deferred import Deferred, DeferredWrites, run_deferred
-from treadle.server.runtime.engine_client import (
-    EngineFacts,
-    NamedControls,
-    OnOutcomes,
-    OnProgress,
-    OnSnapshot,
-    SnapshotPolicy,
-)
-from treadle.server.runtime.executor import OpExecutor
-from treadle.server.runtime.faults import EngineFault, restore_id
-from treadle.server.runtime.live_weights import StateSnapshot
-from treadle.server.runtime.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
-from treadle.server.runtime.scheduler import (
+from treadle.protocol.facts import EngineFacts, SnapshotPolicy, StateSnapshot
+from treadle.protocol.faults import EngineFault, restore_id
+from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
+from treadle.worker.executor import OpExecutor
+from treadle.worker.idle_writes import Deferred, DeferredWrites, run_deferred
+from treadle.worker.scheduler import (
     DEFAULT_MAX_MERGE_TOKENS,
     DEFAULT_PARK_LIMITS,
     ModelQueue,
@@ -73,9 +67,17 @@ log = logging.getLogger("treadle.engine_loop")
 # round's housekeeping (parked deadlines, deferred writes) runs.
 DECODE_SLICE_S = 0.5
 
+# A model's first op (seq_id 0) makes it: a create, or a load (create_training_client_from_state)
+_OPENS = frozenset({OpKind.CREATE, OpKind.LOAD})
 
-class EngineLoop(NamedControls):
-    """The in-process engine handle: owns one Engine (through its OpExecutor) and its thread."""
+OnOutcomes = Callable[[list[Outcome]], None]  # engine thread; must not block
+OnProgress = Callable[[list[Progress]], None]  # tokens of streamed sample ops, each step
+OnSnapshot = Callable[[StateSnapshot], None]  # a model's state was written
+
+
+class EngineLoop:
+    """One Engine (through its OpExecutor) and the thread that runs it; every method but the
+    engine thread's own is safe from any thread."""
 
     def __init__(
         self,
@@ -86,7 +88,6 @@ class EngineLoop(NamedControls):
         max_merge_tokens: int = DEFAULT_MAX_MERGE_TOKENS,
         on_snapshot: OnSnapshot | None = None,
         snapshots: SnapshotPolicy | None = None,
-        report_replays: bool = False,
         park: ParkLimits = DEFAULT_PARK_LIMITS,
         on_progress: OnProgress | None = None,
         on_fault: Callable[[EngineFault], None] | None = None,
@@ -100,10 +101,6 @@ class EngineLoop(NamedControls):
         self.executor = executor
         self._on_outcomes = on_outcomes
         self._on_snapshot = on_snapshot
-        # request ids whose outcomes nobody hears again (a worker reports them all: the API
-        # side of it keeps the books)
-        self._replay: set[str] = set()
-        self.report_replays = report_replays
         self.max_sample_batch = max_sample_batch
         self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
@@ -117,7 +114,11 @@ class EngineLoop(NamedControls):
         self._dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
 
-    # ---- EngineClient (any thread) ----
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    # ---- any thread ----
     def start(self) -> None:
         self._thread.start()
 
@@ -127,41 +128,26 @@ class EngineLoop(NamedControls):
             self._cond.notify_all()
         self._thread.join(timeout_s)
 
-    def has_model(self, model_id: str) -> bool:
-        with self._cond:
-            return model_id in self.queues
-
-    def check_seq(self, model_id: str, seq_id: int) -> None:
-        with self._cond:
-            if self._dead is not None:
-                raise self._dead
-            queue = self.queues.get(model_id)
-            if queue is None:
-                raise NotFoundError(f"model_id {model_id!r} is not loaded on this server")
-            if seq_id < queue.next_seq or seq_id in queue.pending:
-                raise InvalidRequestError(
-                    f"seq_id: {seq_id} was already used for model {model_id!r} "
-                    f"(next expected: {queue.next_seq})"
-                )
-
     def add_model(self, model_id: str, next_seq: int = 0) -> None:
+        """Open a model's queue (a create op opens its own; a restore opens it at next_seq)."""
         with self._cond:
             self.queues.setdefault(model_id, ModelQueue(next_seq=next_seq))
 
     def submit(self, op: Op) -> None:
+        """Queue an op; its Outcome reaches on_outcomes (never raises)."""
         refused: Outcome | None = None
         with self._cond:
-            if op.replay and not self.report_replays:
-                self._replay.add(op.request_id)
+            if op.seq_id == 0 and op.kind in _OPENS:  # a new model's queue opens
+                self.queues.setdefault(op.model_id, ModelQueue())
             if self._dead is not None:
                 refused = Outcome.failed(op.request_id, self._dead)
             elif op.kind == OpKind.SAMPLE:
                 self.samples.append(op)
                 self._arrived.append(op)
             elif (queue := self.queues.get(op.model_id)) is not None:
-                if (why := enqueue(queue, op, self.park)) is not None:  # parked-op bounds
+                if (why := enqueue(queue, op, self.park)) is not None:  # order and bounds
                     refused = Outcome.failed(op.request_id, why)
-            else:  # its session ended since the API checked
+            else:  # unloaded (its session ended since the API checked), or never made here
                 refused = Outcome.failed(
                     op.request_id, NotFoundError(f"model {op.model_id!r} was unloaded")
                 )
@@ -169,18 +155,10 @@ class EngineLoop(NamedControls):
         if refused is not None:
             self._finish([refused])
 
-    def is_live(self, ref: str) -> bool:
-        return self.executor.is_live(ref)
-
-    def status(self) -> str:
-        """serving | dead | stopped (the console's overview)."""
-        return "dead" if self._dead else "serving" if self._thread.is_alive() else "stopped"
-
     # ---- control calls: run on the engine thread before the next round ----
     def control(self, name: str, **args: Any) -> concurrent.futures.Future:
         """Run the named control call on the engine thread (what a worker's CALL names)."""
         calls: dict[str, Callable[..., Any]] = {
-            "add_model": self.add_model,
             "load_sampler": self.executor.load_sampler,
             "drop_ref": self.executor.drop_ref,
             "check_adapter": self.executor.check_adapter,
@@ -196,9 +174,6 @@ class EngineLoop(NamedControls):
             return fut
         running = [restore_id(args["model_id"])] if name == "restore_model" else []
         return self.call(lambda: fn(**args), running)
-
-    async def _control(self, name: str, **args: Any) -> Any:
-        return await asyncio.wrap_future(self.control(name, **args))
 
     def call(
         self, fn: Callable[[], Any], running: list[str] | None = None
@@ -221,11 +196,6 @@ class EngineLoop(NamedControls):
         with self._cond:
             self.queues[model_id] = ModelQueue(next_seq=next_seq)
 
-    def positions(self) -> dict[str, int]:
-        """Each model's next seq_id (what a remote API mirrors for check_seq)."""
-        with self._cond:
-            return {model_id: q.next_seq for model_id, q in self.queues.items()}
-
     def busy(self) -> bool:
         """Whether anything is queued or deferred (a draining worker waits for False)."""
         with self._cond:
@@ -239,7 +209,6 @@ class EngineLoop(NamedControls):
             waiting = self.samples
             self.queues, self.samples, self._arrived = {}, [], []
             self.writes.clear()
-            self._replay.clear()
         self.executor.release(waiting)
         self.executor.abort_samples()
         for model_id in models:
@@ -370,8 +339,6 @@ class EngineLoop(NamedControls):
                 self._record([])
 
     def _progress(self, items: list[Progress]) -> None:
-        if self._replay:
-            items = [p for p in items if p.request_id not in self._replay]
         if items:
             try:
                 self._on_progress(items)  # type: ignore[misc]
@@ -460,12 +427,6 @@ class EngineLoop(NamedControls):
             self._finish([run_deferred(job)])
 
     def _finish(self, outcomes: list[Outcome | None]) -> None:
-        if self._replay:
-            heard = [o for o in outcomes if o is not None and o.request_id not in self._replay]
-            for o in outcomes:
-                if o is not None:
-                    self._replay.discard(o.request_id)
-            outcomes = heard
         outcomes = [o for o in outcomes if o is not None]
         if outcomes:
             try:

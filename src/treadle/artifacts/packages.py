@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 
 from treadle.artifacts import stores
-from treadle.protocol.ops import PackageTarget, VersionRecord
+from treadle.protocol.ops import PackageTarget
+from treadle.protocol.saved import VersionRecord
 
 
 def store_version(

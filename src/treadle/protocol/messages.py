@@ -33,11 +33,11 @@ from treadle.protocol.ops import (
     Outcome,
     Payload,
     Progress,
-    Saved,
     SaveResult,
     SequenceRecord,
     Usage,
 )
+from treadle.protocol.saved import Saved
 
 PROTOCOL = 3
 _ARRAY = 1  # msgpack extension code of a numpy array

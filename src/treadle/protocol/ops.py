@@ -36,6 +36,7 @@ from treadle.engine.types import (
     TrainResult,
 )
 from treadle.errors import ErrorInfo
+from treadle.protocol.saved import Saved
 
 
 class OpKind(enum.StrEnum):
@@ -305,70 +306,6 @@ class SequenceRecord:
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
-
-
-@dataclass
-class CheckpointRecord:
-    """A checkpoint folder a save wrote: its row, committed with the save's result."""
-
-    tinker_path: str
-    run_id: str
-    model_id: str
-    checkpoint_type: str  # training | sampler | external
-    name: str
-    dir: str
-    base_model: str
-    lora_config: dict[str, Any]
-    size_bytes: int
-    tenant_id: str
-    user_metadata: dict[str, Any] | None = None
-
-
-@dataclass
-class SamplerRecord:
-    """A sampling session a snapshot op made (its weights in the worker's memory)."""
-
-    sampling_session_id: str
-    session_id: str | None
-    seq_id: int | None
-    base_model: str
-    model_id: str
-    engine_ref: str
-    tenant_id: str
-
-
-@dataclass
-class VersionRecord:
-    """A model package version whose files a save stored (a folder or S3 objects, complete):
-    the API numbers it and registers it with the save's result."""
-
-    tenant_id: str
-    group_name: str
-    kind: str  # sampler | merged | state
-    location: str
-    size_bytes: int
-    encrypted: bool
-    key_id: str | None
-    base_model: str
-    lora_config: dict[str, Any]
-    name: str | None = None
-    session_id: str | None = None
-    model_id: str | None = None
-    run_id: str | None = None
-    step: int | None = None
-    user_metadata: dict[str, Any] | None = None
-    tinker_path: str | None = None
-    source: str | None = None
-
-
-@dataclass
-class Saved:
-    """What a save wrote besides files, for the API to commit in the transaction of its
-    result (the worker writes no database rows)."""
-
-    checkpoints: list[CheckpointRecord] = field(default_factory=list)
-    samplers: list[SamplerRecord] = field(default_factory=list)
-    versions: list[VersionRecord] = field(default_factory=list)
 
 
 @dataclass

@@ -22,15 +22,13 @@ from treadle.artifacts.packages import store_version
 from treadle.errors import ConflictError
 from treadle.protocol.ops import (
     CheckpointInfo,
-    CheckpointRecord,
     PackageTarget,
-    SamplerRecord,
-    Saved,
     SaveResult,
     SaveSampler,
     SaveState,
     Snapshot,
 )
+from treadle.protocol.saved import CheckpointRecord, SamplerRecord, Saved
 
 
 class CheckpointWriter:

@@ -37,7 +37,6 @@ from treadle.protocol.ops import (
     OptimStep,
     Outcome,
     Progress,
-    Saved,
     SaveResult,
     SaveSampler,
     SaveState,
@@ -46,10 +45,12 @@ from treadle.protocol.ops import (
     TrainData,
     Usage,
 )
+from treadle.protocol.saved import Saved
 from treadle.worker.checkpoints import CheckpointWriter
 from treadle.worker.idle_writes import Deferred
 from treadle.worker.live_weights import LiveWeights
 from treadle.worker.outcomes import failure, sample_outcome
+from treadle.worker.scheduler import Step
 
 log = logging.getLogger("treadle.executor")
 
@@ -84,6 +85,22 @@ class OpExecutor(LiveWeights):
             OpKind.SAVE_SAMPLER: self._save_sampler,
             OpKind.SNAPSHOT: self._snapshot,
         }
+
+    def run_step(self, step: Step) -> list[Outcome | Deferred]:
+        """One step of a round (treadle.worker.scheduler): a train call, sample ops joining
+        the decode batch, or a single op. Errors become failed outcomes (an engine fault is
+        raised on)."""
+        try:
+            if step.kind == "train":
+                return list(self.run_train(step.ops, step.forward_only))
+            if step.kind == "sample":
+                return list(self.admit_samples(step.ops))
+            return [self.run_single(step.ops[0])]
+        except EngineFault:
+            raise
+        except Exception as e:  # the methods catch per op; this is a last resort
+            log.exception("step %s failed", step.kind)
+            return [Outcome.failed(op.request_id, e) for op in step.ops]
 
     # ---- training: several sessions in one engine call ----
     def run_train(self, ops: list[Op], forward_only: bool) -> list[Outcome]:

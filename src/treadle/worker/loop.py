@@ -272,7 +272,8 @@ class EngineLoop:
                 run_call(call, self.name, self.executor.check_fault, self._record)
             # A sample op answers from the weights of its arrival, whatever this round runs
             # before it joins the decode batch (an optim_step filed after it, a full batch).
-            self.executor.hold(arrived)
+            if arrived:
+                self.executor.hold(arrived)
             with self._cond:
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)

@@ -225,7 +225,7 @@ class Futures:
                 )
                 resolved = [Outcome.failed(o.request_id, failed) for o in outcomes]
             self.board.resolve(resolved)
-            if error is None:
+            if error is None and any(o.saved is not None for o in outcomes):
                 self.after_saves(outcomes)
             if self.metrics is not None:  # the console's figures: after, never before, a result
                 self.metrics.finished(resolved)

@@ -55,7 +55,7 @@ compat: venv
 
 # The console's browser tests; the session page's screenshot becomes the README's.
 console-screenshots: venv sysdeps
-	$(PY) -m pytest -q tests/console/test_console_browser.py
+	$(PY) -m pytest -q tests/server/console/test_console_browser.py
 	cp runs/console-screenshots/session.png docs/console-session.png
 
 lint: venv

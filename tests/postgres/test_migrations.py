@@ -1,7 +1,8 @@
 """The schema's migrations on SQLite and PostgreSQL: an empty database is brought to head and
 then matches the ORM rows exactly; a database made before the migrations (by `create_all`,
 with 32-bit counters and without the columns added later) is adopted without losing a row;
-API processes starting at once on one PostgreSQL database migrate it once.
+a request of an older database gets the key its op record names; API processes starting at
+once on one PostgreSQL database migrate it once.
 
     .venv/bin/python -m pytest -q tests/postgres/test_migrations.py
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import (
@@ -150,6 +152,40 @@ def test_a_database_made_before_the_migrations_is_adopted(db_url):
             )
             seq = conn.execute(select(RequestRow.__table__.c.seq_id)).scalar_one()
         assert seq == BIG
+    finally:
+        store.close()
+
+
+def test_requests_of_an_older_database_get_the_key_their_op_record_names(db_url):
+    # a database at 0004: the key a request was sent with was kept by the console only
+    engine = create_engine(engine_url(db_url))
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0004")
+        now = dt.datetime.now(dt.UTC)
+        for rid, kid in (("r1", "tml-keyA"), ("r2", None), ("r3", None)):
+            conn.execute(
+                text(
+                    "INSERT INTO requests (request_id, kind, tenant_id, status, prompt_tokens,"
+                    " sampled_tokens, train_tokens, created_at) VALUES (:rid, 'sample', 't',"
+                    " 'done', 1, 2, 0, :now)"
+                ),
+                {"rid": rid, "now": now},
+            )
+            if rid != "r3":  # r3: recorded by no console
+                conn.execute(
+                    text(
+                        "INSERT INTO op_records (request_id, tenant_id, key_id, kind, status,"
+                        " queued_at, finished_at, batch_ops, prompt_tokens, sampled_tokens,"
+                        " train_tokens) VALUES (:rid, 't', :kid, 'sample', 'done', 0, 1, 1,"
+                        " 1, 2, 0)"
+                    ),
+                    {"rid": rid, "kid": kid},
+                )
+    engine.dispose()
+    store = Store(db_url)  # → head
+    try:
+        keys = {rid: store.get(RequestRow, rid).key_id for rid in ("r1", "r2", "r3")}
+        assert keys == {"r1": "tml-keyA", "r2": None, "r3": None}
     finally:
         store.close()
 

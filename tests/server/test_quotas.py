@@ -17,6 +17,7 @@ from _tenancy import TINY, Api, make_tenants, start_server
 
 HEARTBEAT_S = 8.0
 WINDOW_S = 3.0  # the requests_per_minute window, shortened
+AUTH_TTL_S = 0.5  # how long a tenant's quotas, read with its key, are trusted
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def server(tiny_model_dir, tmp_path_factory):
         "heartbeat_timeout_s": HEARTBEAT_S,
         "rate_window_s": WINDOW_S,
         "tenant_quotas": {"sess": {"max_concurrent_sessions": 2}},
+        "auth_cache_ttl_s": AUTH_TTL_S,
     }
     srv = start_server({TINY: tiny_model_dir}, data, config=config)
     srv.keys = keys
@@ -201,10 +203,12 @@ def test_idle_session_expires_frees_memory_keeps_checkpoints(server):
     assert out["loss_fn_outputs"]
 
 
-def test_set_quotas_from_the_cli_applies_at_the_next_request(server):
+def test_set_quotas_from_the_cli_applies_within_the_auth_cache_ttl(server):
     def set_quotas(*flags: str) -> None:
         cmd = [sys.executable, "-m", "treadle.cli", "admin", "set-quotas", "sizes", *flags]
         subprocess.run(cmd + ["--data-dir", str(server.data_dir)], check=True, timeout=120)
+        # the tenant's row is read again with its key once what was read is AUTH_TTL_S old
+        time.sleep(AUTH_TTL_S)
 
     t = api(server, "sizes")
     sid = t.session()

@@ -6,10 +6,13 @@ precedence, the rate window, the usage field of protobuf results, usage reports.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
+from threading import get_ident
 
 import pytest
+from sqlalchemy import event
 
 from treadle.errors import AuthError, QuotaExceededError
 from treadle.server.config import Price
@@ -29,24 +32,88 @@ def store(tmp_path):
     s.close()
 
 
-def test_keys_are_stored_hashed_and_development_mode_ends_with_the_first_tenant(store, monkeypatch):
-    monkeypatch.setattr(auth, "TENANT_RECHECK_S", 0.0)
-    seen: dict[str, dict] = {}
-    ring = auth.KeyRing(store.engine, on_quotas=seen.__setitem__)
-    assert ring.dev_mode and ring.authenticate(None) == auth.DEV_TENANT
-    tenants.create_tenant(store, "acme", {"max_lora_rank": 8})
-    key, row = tenants.create_key(store, "acme")
-    assert key.startswith("tml-") and len(key) > 40
-    assert row.key_hash == auth.hash_key(key) and key not in str(tenants.list_tenants(store))
-    with pytest.raises(AuthError, match="missing API key"):
-        ring.authenticate(None)  # the running server noticed the tenant
-    tenant = ring.authenticate(key)
-    assert tenant.name == "acme" and seen[tenant.tenant_id] == {"max_lora_rank": 8}
-    tenants.revoke_key(store, key[: auth.KEY_ID_CHARS])
-    with pytest.raises(AuthError, match="revoked"):
-        ring.authenticate(key)
-    with pytest.raises(AuthError, match="not recognised"):
-        ring.authenticate(auth.new_key())
+class Clock:
+    """A fake monotonic clock: the tests move it, nobody sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reads_of(store: Store) -> list[int]:
+    """The thread of every statement run on `store` from now on."""
+    threads: list[int] = []
+    event.listen(store.engine, "before_cursor_execute", lambda *a: threads.append(get_ident()))
+    return threads
+
+
+def test_keys_are_stored_hashed_and_development_mode_ends_with_the_first_tenant(store):
+    async def main() -> None:
+        seen: dict[str, dict] = {}
+        clock = Clock()
+        ring = auth.KeyRing(store.engine, on_quotas=seen.__setitem__, ttl_s=5.0, clock=clock)
+        assert ring.dev_mode and await ring.authenticate(None) == auth.DEV_TENANT
+        tenants.create_tenant(store, "acme", {"max_lora_rank": 8})
+        key, row = tenants.create_key(store, "acme")
+        assert key.startswith("tml-") and len(key) > 40
+        assert row.key_hash == auth.hash_key(key) and key not in str(tenants.list_tenants(store))
+        assert await ring.authenticate(None) == auth.DEV_TENANT  # "no tenant" is kept ttl_s
+        clock.now = 5.0
+        with pytest.raises(AuthError, match="missing API key"):
+            await ring.authenticate(None)  # the running server noticed the tenant
+        tenant = await ring.authenticate(key)  # a key it never saw works at once
+        assert tenant.name == "acme" and seen[tenant.tenant_id] == {"max_lora_rank": 8}
+        with pytest.raises(AuthError, match="not recognised"):
+            await ring.authenticate(auth.new_key())
+
+    asyncio.run(main())
+
+
+def test_a_revoked_key_works_until_the_cache_ttl_and_fails_after(store):
+    tenants.create_tenant(store, "acme")
+    key, _ = tenants.create_key(store, "acme")
+    clock = Clock()
+    ring = auth.KeyRing(store.engine, on_quotas=lambda *a: None, ttl_s=5.0, clock=clock)
+
+    async def main() -> None:
+        assert (await ring.authenticate(key)).name == "acme"  # read at t=0
+        tenants.revoke_key(store, key[: auth.KEY_ID_CHARS])  # `treadle admin revoke-key`
+        clock.now = 4.9
+        assert (await ring.authenticate(key)).name == "acme"  # within the TTL
+        clock.now = 5.0
+        with pytest.raises(AuthError, match="revoked"):
+            await ring.authenticate(key)
+        clock.now = 60.0
+        with pytest.raises(AuthError, match="revoked"):
+            await ring.authenticate(key)
+
+    asyncio.run(main())
+
+
+def test_authentication_reads_no_database_on_the_event_loop(store):
+    tenants.create_tenant(store, "acme")
+    key, _ = tenants.create_key(store, "acme")
+    clock = Clock()
+    ring = auth.KeyRing(store.engine, on_quotas=lambda *a: None, ttl_s=5.0, clock=clock)
+    threads = reads_of(store)
+
+    async def main() -> None:
+        loop_thread = get_ident()
+        # concurrent first requests with one key share one read, in a worker thread
+        got = await asyncio.gather(*(ring.authenticate(key) for _ in range(20)))
+        assert {t.name for t in got} == {"acme"} and len(threads) == 1
+        for _ in range(100):  # the common case: no read at all
+            await ring.authenticate(key)
+        assert len(threads) == 1
+        clock.now = 5.0  # stale: read again, off the loop
+        await ring.authenticate(key)
+        with pytest.raises(AuthError):
+            await ring.authenticate(auth.new_key())  # an unknown key is read, off the loop
+        assert len(threads) == 3 and loop_thread not in threads
+
+    asyncio.run(main())
 
 
 def test_request_key_headers():

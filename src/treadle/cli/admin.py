@@ -185,7 +185,9 @@ def add_parsers(sub: Any) -> None:
     q.add_argument(
         "--admin", action="store_true", help="the key also sees every tenant in the console"
     )
-    q = admin_sub.add_parser("revoke-key", help="stop a key at once")
+    q = admin_sub.add_parser(
+        "revoke-key", help="stop a key (a running server stops it within --auth-cache-ttl-s)"
+    )
     q.add_argument("key", help="the key, or its id (its first 12 characters, see list)")
     q = admin_sub.add_parser("set-quotas", help="set a tenant's quotas (0 clears one)")
     q.add_argument("tenant", help="tenant name or id")

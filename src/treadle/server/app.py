@@ -21,10 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from treadle.artifacts import folders as artifacts
 from treadle.errors import TreadleError
 from treadle.server.api import errors as api_errors
-from treadle.server.api.console import data as console_data
-from treadle.server.api.console import pages as console_pages
-from treadle.server.api.console.gate import ConsoleGate
-from treadle.server.api.middleware import TenantMiddleware
+from treadle.server.api.middleware import KeyIdMiddleware, TenantMiddleware
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
 from treadle.server.api.tinker import (
@@ -39,12 +36,12 @@ from treadle.server.api.tinker import (
 )
 from treadle.server.api.tinker.bodies import BodyLimit, limit_by_route
 from treadle.server.config import ServerConfig
+from treadle.server.console.wiring import Console, add_console, metrics_router
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
-from treadle.server.core.console import ConsoleViews
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics
+from treadle.server.core.listeners import OutcomeListener
 from treadle.server.core.models import TrainingModels
 from treadle.server.core.recovery import Recovery
 from treadle.server.core.samplers import Samplers
@@ -61,7 +58,8 @@ from treadle.server.storage.journal import Journal
 from treadle.server.tenancy.auth import KeyRing, install_tenant_filter
 from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
-from treadle.server.tenancy.spend import KeyIdMiddleware, SpendBook
+from treadle.server.tenancy.spend import SpendBook
+from treadle.server.tenancy.spend_listener import SpendListener
 
 log = logging.getLogger("treadle.server")
 
@@ -80,7 +78,17 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)
         journal.start()
-        state = _build_state(config, store, journal, asyncio.get_running_loop())
+        spend = SpendBook(store.engine, config.prices)
+        spend_listener = SpendListener(spend)  # every op is charged, console or not
+        listeners: list[OutcomeListener] = [spend_listener]
+        console = Console(config, journal) if config.console else None
+        if console is not None:
+            listeners.append(console.recorder)
+        # what tenants and keys spent this day and month, and whom the ops a previous run
+        # left unfinished are charged to: before recovery finishes any, before engines run
+        await asyncio.to_thread(spend_listener.load)
+        loop = asyncio.get_running_loop()
+        state = _build_state(config, store, journal, loop, spend, listeners)
         recovery = Recovery(state)
         hooks = Hooks(
             on_outcomes=state.futures.finish,
@@ -90,15 +98,11 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             models_of=lambda name: [r.model_id for r in state.models.rows_of(name)],
         )
         workers = Workers(config, hooks, make_engine)
-        for handle in workers.handles_for(asyncio.get_running_loop()):
+        for handle in workers.handles_for(loop):
             state.engines.add(handle)
         recovery.load()
-        # what tenants and keys spent this day and month, before any engine runs
-        await asyncio.to_thread(state.admission.spend.load)
-        app.state.console = ConsoleViews(
-            config, store, state.engines, state.futures.metrics, state.admission.spend
-        )
-        state.futures.metrics.start()
+        if console is not None:
+            console.start(app, store, state.engines, spend)
         tasks: list[asyncio.Task] = []
         try:
             await workers.start()
@@ -114,7 +118,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             for task in tasks:
                 task.cancel()
             await workers.stop()  # first: their last outcomes go to the journal
-            await asyncio.to_thread(state.futures.metrics.stop)  # the console's last figures
+            if console is not None:
+                await asyncio.to_thread(console.stop)  # the console's last figures
             journal.stop()
             remove_filter()
             store.close()
@@ -124,10 +129,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     for module in (futures, training, sampling, session, weights, runs, treadle, checkpoints):
         app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
-    # the web console (/console) and its JSON (/api/v1/treadle/console), the loop's metrics
-    for router in (console_data.metrics_router, console_data.router, console_pages.router):
-        app.include_router(router)
-    app.state.console_templates = console_pages.make_templates()
+    app.include_router(metrics_router)  # the loop's own metrics (log_metrics), console or not
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.
     app.add_exception_handler(TreadleError, api_errors.handle_error)
@@ -137,7 +139,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_middleware(BodyLimit, limit_of=limit_by_route(config.limits))
     app.add_middleware(TenantMiddleware)  # runs before any body is read
     app.add_middleware(KeyIdMiddleware)  # the key's id, for per-key spend caps
-    app.add_middleware(ConsoleGate)  # outermost: the console's login cookie and static files
+    if config.console:  # the web console (/console) and its JSON (/api/v1/treadle/console)
+        add_console(app)  # its gate outermost: the login cookie and static files
     return app
 
 
@@ -146,20 +149,22 @@ def _build_state(
     store: Store,
     journal: Journal,
     loop: asyncio.AbstractEventLoop,
+    spend: SpendBook,
+    listeners: list[OutcomeListener],
 ) -> ServerState:
     quotas = QuotaBook(config.quotas, config.tenant_quotas)
-    keyring = KeyRing(store.engine, on_quotas=quotas.from_db.__setitem__)
-    spend = SpendBook(store.engine, config.prices)
+    keyring = KeyRing(
+        store.engine, on_quotas=quotas.from_db.__setitem__, ttl_s=config.auth_cache_ttl_s
+    )
     admission = Admission(config.limits, quotas, config.rate_window_s, spend=spend)
     engines = Engines()
-    metrics = Metrics(journal, spend)
     futures_ = Futures(
         journal,
         FutureBoard(loop),
         admission,
         config.long_poll_s,
+        listeners=listeners,
         durable=config.durable,
-        metrics=metrics,
     )
     futures_.after_saves = functools.partial(retain_after, store)
     sessions_ = Sessions(store, journal, admission)

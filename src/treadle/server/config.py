@@ -152,6 +152,14 @@ class ServerConfig(BaseModel):
     set-quotas`, win over these)."""
     rate_window_s: float = 60.0
     """The sliding window of the requests_per_minute quota (60; tests shorten it)."""
+    auth_cache_ttl_s: float = 5.0
+    """How long an API key's tenant (or its revocation), and that no tenant exists yet, are
+    trusted before the database is read again (in a worker thread, never on the event
+    loop): `treadle admin revoke-key` stops a key within this time."""
+    console: bool = True
+    """Serve the web console (/console, its JSON under /api/v1/treadle/console) and record
+    its figures and request timeline (false: no console routes, recorder or static files;
+    spend caps and TrainingClient.log_metrics work either way)."""
     prices: dict[str, Price] = {}
     """Per served model name: $ per million prefill / sample / train tokens (usage reports)."""
     limits: InputLimits = InputLimits()
@@ -185,6 +193,13 @@ class ServerConfig(BaseModel):
                 "torchrun processes), got engine_processes false"
             )
         return self
+
+    @field_validator("auth_cache_ttl_s")
+    @classmethod
+    def _not_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
 
     @field_validator("heartbeat_timeout_s", "long_poll_s", "parked_op_timeout_s")
     @classmethod

@@ -1,5 +1,5 @@
 """Shared route dependencies: the ServerState built by the app's lifespan, the tenant a
-request acts for (authenticated by treadle.server.tenancy.auth.TenantMiddleware), and the
+request acts for (authenticated by treadle.server.api.middleware.TenantMiddleware), and the
 tenant's encryption key when the request carries one."""
 
 from __future__ import annotations

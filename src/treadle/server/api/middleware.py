@@ -1,5 +1,6 @@
-"""The ASGI middleware every request passes before its route: who it acts for, and errors
-written before any route runs (401, 413) in the one JSON shape of each API.
+"""The ASGI middleware every request passes before its route: who it acts for (its tenant,
+and the public id of its key), and errors written before any route runs (401, 413) in the
+one JSON shape of each API.
 
 Pure ASGI (no BaseHTTPMiddleware): nothing is buffered, and the tenant is set in the context
 the route runs in.
@@ -17,8 +18,11 @@ from treadle.server.tenancy.auth import (
     PUBLIC_PATHS,
     PUBLIC_PREFIXES,
     KeyRing,
+    key_id,
     request_key,
+    reset_current_key_id,
     reset_current_tenant,
+    set_current_key_id,
     set_current_tenant,
 )
 
@@ -59,7 +63,8 @@ class TenantMiddleware:
             tenant = DEV_TENANT
         else:
             try:
-                tenant = keyring.authenticate(request_key(scope["headers"]))
+                # no database read on the event loop (treadle.server.tenancy.auth)
+                tenant = await keyring.authenticate(request_key(scope["headers"]))
             except AuthError as e:
                 path = scope.get("path", "")
                 await send_error(
@@ -72,6 +77,25 @@ class TenantMiddleware:
             await self.app(scope, receive, send)
         finally:
             reset_current_tenant(token)
+
+
+class KeyIdMiddleware:
+    """Pure ASGI: notes the public id of the request's key for the handlers, never the key
+    (per-key spend caps: treadle.server.tenancy.spend; the console's key column)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = request_key(scope["headers"])
+        token = set_current_key_id(key_id(key) if key else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            reset_current_key_id(token)
 
 
 def _is_public(path: str) -> bool:

@@ -10,8 +10,8 @@ One database write per request, one per result, both through the journal:
   the sequences a record_stability_info sample keeps, treadle.server.core.sequences, and
   the rows of what a save wrote, treadle.server.core.saves), and
   only then wakes their polls (treadle.server.core.board): a client is told of a result
-  only once it is on disk; the console's figures and timeline are recorded after that
-  (treadle.server.core.metrics, which writes them a moment later);
+  only once it is on disk; its listeners hear of it after that (spend counting, the
+  console's recorder: treadle.server.core.listeners);
 - `poll` serves the HTTP long poll (from memory, else from the row), `result` the
   in-process callers (the typed result, or the error raised as its own class), and
   `updates` a streamed sample's tokens as they come (an SSE stream), before its result.
@@ -54,7 +54,7 @@ from treadle.protocol.ops import (
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.dedup import FiledKeys
 from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics
+from treadle.server.core.listeners import OutcomeListener, tell
 from treadle.server.core.results import encode, error_json, finished_of_row
 from treadle.server.core.saves import commit_saved
 from treadle.server.core.sequences import insert_records
@@ -67,7 +67,7 @@ from treadle.server.storage.queries import (
     request_row,
 )
 from treadle.server.storage.rows import new_id
-from treadle.server.tenancy.auth import Tenant, owns
+from treadle.server.tenancy.auth import Tenant, current_key_id, owns
 
 log = logging.getLogger("treadle.futures")
 
@@ -87,7 +87,7 @@ class Futures:
         board: FutureBoard,
         admission: Admission,
         long_poll_s: float,
-        metrics: Metrics | None = None,
+        listeners: list[OutcomeListener] | None = None,
         durable: bool = True,
     ):
         self.journal = journal
@@ -95,7 +95,7 @@ class Futures:
         self.board = board
         self.admission = admission
         self.long_poll_s = long_poll_s
-        self.metrics = metrics
+        self.listeners = list(listeners or [])  # told of each op filed and finished
         self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
         # after a save's versions are committed: its group's retention (set by the app)
         self.after_saves: Callable[[list[Outcome]], None] = lambda outcomes: None
@@ -134,6 +134,7 @@ class Futures:
             "request_id": op.request_id,
             "kind": str(kind),
             "tenant_id": tenant.tenant_id,
+            "key_id": current_key_id(),  # per-key spend caps
             "base_model": engine.name,  # the served model: prices are per model
             "session_id": session_id,
             "model_id": model_id,
@@ -145,8 +146,7 @@ class Futures:
         stream = isinstance(payload, Sample) and payload.stream
         self.expect(op.request_id, kind, tenant.tenant_id, stream=stream)
         write = functools.partial(insert_request, values=values)
-        if self.metrics is not None:
-            self.metrics.filed(op, values)
+        tell(self.listeners, lambda listener: listener.filed(op, values))
         committed = self.journal.run(write, then=lambda _: engine.submit(op))
         # bookkeeping in a callback, so that it happens even if this request is cancelled
         committed.add_done_callback(functools.partial(self._settled, key, op.request_id))
@@ -227,8 +227,8 @@ class Futures:
             self.board.resolve(resolved)
             if error is None and any(o.saved is not None for o in outcomes):
                 self.after_saves(outcomes)
-            if self.metrics is not None:  # the console's figures: after, never before, a result
-                self.metrics.finished(resolved)
+            # spend, the console's figures: after, never before, a result
+            tell(self.listeners, lambda listener: listener.finished(resolved))
 
         self.journal.submit(write, done)
 
@@ -286,8 +286,7 @@ class Futures:
                 self.keys.remember(key, rid)
             return
         self.board.forget(rid)
-        if self.metrics is not None:
-            self.metrics.forget(rid)
+        tell(self.listeners, lambda listener: listener.forget(rid))
         if key is not None:
             self.keys.failed(key, committed)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from treadle.errors import InvalidRequestError
 from treadle.protocol.ops import METERED_KINDS, OpKind, Payload, Sample, TrainData
 from treadle.server.config import InputLimits
-from treadle.server.tenancy.auth import Tenant
+from treadle.server.tenancy.auth import Tenant, current_key_id
 from treadle.server.tenancy.quotas import (
     QuotaBook,
     Quotas,
@@ -17,7 +17,7 @@ from treadle.server.tenancy.quotas import (
     check_slot,
     over,
 )
-from treadle.server.tenancy.spend import SpendBook, current_key_id
+from treadle.server.tenancy.spend import SpendBook
 
 
 def request_tokens(

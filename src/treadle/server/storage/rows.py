@@ -87,6 +87,8 @@ class RequestRow(Base):
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
     tenant_id: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT_ID, index=True)
+    # the public id of the API key it was sent with (per-key spend caps), if any
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # the served model that ran it: the price table is per base model
     base_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
     session_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
@@ -244,8 +246,8 @@ class SampledSequenceRow(Base):
 
 class OpRecordRow(Base):
     """One finished operation as the console's request timeline sees it (written with its
-    result by treadle.server.core.metrics): when it was filed, when its engine call began
-    and ended, what it metered, and the key that asked (per-key spend caps)."""
+    result by treadle.server.console.recorder): when it was filed, when its engine call began
+    and ended, what it metered, and the key that asked."""
 
     __tablename__ = "op_records"
     __table_args__ = (Index("ix_op_records_tenant_finished", "tenant_id", "finished_at"),)

@@ -5,11 +5,16 @@ acts for DEV_TENANT and keys are not checked. Once a tenant exists (`treadle adm
 create-tenant`), every request but the health check needs a key, in `X-API-Key` (what the
 tinker SDK sends) or `Authorization: Bearer`; an unknown or revoked key gets a 401.
 
-Keys are looked up in the database on every request, never cached: `treadle admin
-revoke-key` (another process) stops a key at its very next request. The lookup is one
-primary-key read (the sha256 of the key).
+No request reads the database on the event loop: what a key maps to (its tenant, or that it
+was revoked) and whether any tenant exists are kept for `ttl_s` (ServerConfig
+auth_cache_ttl_s, 5 s), and read again in a worker thread once older. A key seen for the
+first time is read at once (off the loop), so a new key works at its first request;
+`treadle admin revoke-key` (another process) stops a key within ttl_s; a tenant created
+while the server runs in development mode ends that mode within ttl_s. The read is one
+primary-key lookup (the sha256 of the key); concurrent requests with one key share it.
 
-The tenant is held in a context variable for the whole request (`current_tenant()`), so
+The tenant (and the public id of the request's key, `current_key_id()`: per-key spend caps)
+is held in a context variable for the whole request (`current_tenant()`), so
 that every layer sees it without passing it down: the core components check ownership
 against it (`owns`), and every ORM read made while serving a request is filtered to the
 tenant's rows (`install_tenant_filter`), whatever route issued it.
@@ -17,6 +22,7 @@ tenant's rows (`install_tenant_filter`), whatever route issued it.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import datetime as dt
 import hashlib
@@ -43,8 +49,8 @@ KEY_ID_CHARS = 12  # the key's public part: "tml-" + 8 characters, shown by list
 PUBLIC_PATHS = frozenset({"/api/v1/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 # Signed download links of checkpoint files: the signature is the grant, not a key.
 PUBLIC_PREFIXES = ("/api/v1/treadle/files/",)
-# While in development mode, how often to look whether a tenant has been created since.
-TENANT_RECHECK_S = 1.0
+# How long what a key maps to (and "no tenant exists") is trusted before it is read again.
+AUTH_CACHE_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,23 @@ def reset_current_tenant(token: contextvars.Token) -> None:
     _CURRENT.reset(token)
 
 
+_KEY_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("treadle_key_id", default=None)
+
+
+def current_key_id() -> str | None:
+    """The public id (first KEY_ID_CHARS characters) of the request's API key, if it sent
+    one (set by treadle.server.api.middleware.KeyIdMiddleware; never the key itself)."""
+    return _KEY_ID.get()
+
+
+def set_current_key_id(kid: str | None) -> contextvars.Token:
+    return _KEY_ID.set(kid)
+
+
+def reset_current_key_id(token: contextvars.Token) -> None:
+    _KEY_ID.reset(token)
+
+
 # ---- keys ----
 def new_key() -> str:
     """A fresh API key: 'tml-' and 43 url-safe characters (256 random bits)."""
@@ -104,45 +127,90 @@ _KEY_LOOKUP = (
 )
 
 
-class KeyRing:
-    """Resolves a request's key to its tenant, reading the database every time."""
+@dataclass(frozen=True)
+class _KeyRow:
+    """What the database says of one key, and when its read began (the ring's clock)."""
 
-    def __init__(self, engine: Engine, on_quotas: Callable[[str, dict[str, Any]], None]):
+    tenant: Tenant
+    revoked_at: dt.datetime | str | None
+    quotas: dict[str, Any]
+    read_at: float
+
+
+class KeyRing:
+    """Resolves a request's key to its tenant from what was read at most `ttl_s` ago; reads
+    the database in a worker thread, never on the event loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_quotas: Callable[[str, dict[str, Any]], None],
+        ttl_s: float = AUTH_CACHE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine = engine
         self._on_quotas = on_quotas  # hands each tenant's stored quotas on as they are read
+        self.ttl_s = ttl_s
+        self._clock = clock
+        # read at start-up, before any request is served
         self.dev_mode = not self._any_tenant()
-        self._checked_at = time.monotonic()
+        self._checked_at = clock()
+        self._keys: dict[str, _KeyRow] = {}  # key hash → its row as last read
+        self._reads: dict[str, asyncio.Future] = {}  # reads in flight, shared by requests
 
     def _any_tenant(self) -> bool:
         with self.engine.connect() as conn:
             return conn.execute(select(TenantRow.tenant_id).limit(1)).first() is not None
 
-    def _still_dev_mode(self) -> bool:
-        # A tenant created while the server runs ends development mode within a second.
-        if self.dev_mode and time.monotonic() - self._checked_at > TENANT_RECHECK_S:
-            self._checked_at = time.monotonic()
-            if self._any_tenant():
+    def _read_key(self, key_hash: str) -> _KeyRow | None:
+        began = self._clock()  # what is read is trusted ttl_s from before the read
+        with self.engine.connect() as conn:
+            row = conn.execute(_KEY_LOOKUP, {"key_hash": key_hash}).first()
+        if row is None:
+            return None
+        quotas = row.quotas if not isinstance(row.quotas, str) else json.loads(row.quotas)
+        tenant = Tenant(tenant_id=row.tenant_id, name=row.name)
+        return _KeyRow(tenant, row.revoked_at, quotas or {}, began)
+
+    async def _shared(self, name: str, read: Callable[[], Any]) -> Any:
+        """`read()` in a worker thread; requests asking for the same `name` meanwhile share
+        its answer (a cancelled request never cancels it for the others)."""
+        running = self._reads.get(name)
+        if running is None:
+            running = self._reads[name] = asyncio.ensure_future(asyncio.to_thread(read))
+            running.add_done_callback(lambda _: self._reads.pop(name, None))
+        return await asyncio.shield(running)
+
+    async def _still_dev_mode(self) -> bool:
+        # A tenant created while the server runs ends development mode within ttl_s.
+        if self.dev_mode and (began := self._clock()) - self._checked_at >= self.ttl_s:
+            any_tenant = await self._shared("", self._any_tenant)
+            self._checked_at = max(self._checked_at, began)
+            if any_tenant and self.dev_mode:
                 log.warning("a tenant was created: API keys are required from now on")
                 self.dev_mode = False
         return self.dev_mode
 
-    def authenticate(self, key: str | None) -> Tenant:
+    async def authenticate(self, key: str | None) -> Tenant:
         """→ the key's tenant; AuthError when it is missing, unknown or revoked."""
-        if self._still_dev_mode():
+        if await self._still_dev_mode():
             return DEV_TENANT
         if not key:
             raise AuthError(
                 "missing API key: send it in the X-API-Key header or as Authorization: Bearer"
             )
-        with self.engine.connect() as conn:
-            row = conn.execute(_KEY_LOOKUP, {"key_hash": hash_key(key)}).first()
-        if row is None:
-            raise AuthError(f"API key {key_id(key)}... is not recognised by this server")
+        key_hash = hash_key(key)
+        row = self._keys.get(key_hash)
+        if row is None or self._clock() - row.read_at >= self.ttl_s:
+            row = await self._shared(key_hash, lambda: self._read_key(key_hash))
+            if row is None:  # unknown keys are not kept: a key made a moment later works
+                self._keys.pop(key_hash, None)
+                raise AuthError(f"API key {key_id(key)}... is not recognised by this server")
+            self._keys[key_hash] = row
+            self._on_quotas(row.tenant.tenant_id, row.quotas)
         if row.revoked_at is not None:
             raise AuthError(f"API key {key_id(key)}... was revoked on {_day(row.revoked_at)}")
-        quotas = row.quotas if not isinstance(row.quotas, str) else json.loads(row.quotas)
-        self._on_quotas(row.tenant_id, quotas or {})
-        return Tenant(tenant_id=row.tenant_id, name=row.name)
+        return row.tenant
 
 
 def _day(when: dt.datetime | str) -> str:

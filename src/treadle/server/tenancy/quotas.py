@@ -1,7 +1,8 @@
 """Per-tenant quotas: what one tenant may hold or ask at once, so none starves the others.
 
 A quota left unset (None) is unlimited. The values of a tenant come from, field by field,
-the tenant's row in the database (`treadle admin set-quotas`), else the config file's
+the tenant's row in the database (`treadle admin set-quotas`; read with the tenant's key,
+so a change applies within the server's auth_cache_ttl_s), else the config file's
 `tenant_quotas[<tenant name>]`, else the config file's `quotas` (every tenant's default).
 
 Over a quota the request gets a 429 whose message names the quota, its value and what was

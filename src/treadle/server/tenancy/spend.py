@@ -7,8 +7,10 @@ three metered counters summed (prefill + sample + train, treadle.server.tenancy.
 dollars come from the config's price table, so a model without a price costs $0.
 
 The SpendBook keeps what each tenant and key spent in the current day and month in memory:
-a baseline read once at start-up (before any engine runs, so nothing is counted twice),
-then every successful operation as its result is recorded (treadle.server.core.metrics).
+a baseline read once at start-up from the requests table (before any engine runs, so
+nothing is counted twice), then every successful operation as its result is committed,
+charged from its own request's tenant, key and served model by the spend listener
+(treadle.server.tenancy.spend_listener), whether or not the console runs.
 Caps are re-read from the database at most once a second, so a cap set while the server
 runs applies within a second.
 
@@ -22,7 +24,6 @@ flight finish, so spend can pass a cap by what was in flight when it was reached
 
 from __future__ import annotations
 
-import contextvars
 import datetime as dt
 import threading
 import time
@@ -36,46 +37,18 @@ from treadle.server.config import Price
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import (
     ApiKeyRow,
-    OpRecordRow,
     RequestRow,
     SpendCapRow,
     TenantRow,
     new_id,
     utcnow,
 )
-from treadle.server.tenancy.auth import Tenant, hash_key, key_id, request_key
+from treadle.server.tenancy.auth import Tenant, hash_key, key_id
 from treadle.server.tenancy.metering import COLUMN_OF, COUNTERS, cost_usd
 
 PERIODS = ("day", "month")
 CAP_RELOAD_S = 1.0
 TENANT_SCOPE = "tenant"
-
-
-# ---- the key a request was sent with (per-key caps, the console's key column) ----
-_KEY_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("treadle_key_id", default=None)
-
-
-def current_key_id() -> str | None:
-    """The public id (first 12 characters) of the request's API key, if it sent one."""
-    return _KEY_ID.get()
-
-
-class KeyIdMiddleware:
-    """Pure ASGI: notes the id of the request's key for the handlers (never the key)."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        key = request_key(scope["headers"])
-        token = _KEY_ID.set(key_id(key) if key else None)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _KEY_ID.reset(token)
 
 
 def key_scope(kid: str) -> str:
@@ -131,37 +104,25 @@ class SpendBook:
     # ---- counting ----
     def load(self) -> None:
         """The baseline: what was spent this day and month before this process started
-        (the requests table for tenants, op_records for keys). Call before engines run."""
+        (each finished request's row names its tenant, key and served model). Call before
+        engines run."""
         now = utcnow()
-        r, o = RequestRow.__table__, OpRecordRow.__table__
-        sums_r = [func.coalesce(func.sum(r.c[COLUMN_OF[c]]), 0) for c in COUNTERS]
-        sums_o = [func.coalesce(func.sum(o.c[COLUMN_OF[c]]), 0) for c in COUNTERS]
+        r = RequestRow.__table__
+        sums = [func.coalesce(func.sum(r.c[COLUMN_OF[c]]), 0) for c in COUNTERS]
         with self._lock, self.engine.connect() as conn:
             self._spent.clear()
             for period in PERIODS:
                 start, _ = period_bounds(period, now)
-                tenants = conn.execute(
-                    select(r.c.tenant_id, r.c.base_model, *sums_r)
+                rows = conn.execute(
+                    select(r.c.tenant_id, r.c.key_id, r.c.base_model, *sums)
                     .where((r.c.status == "done") & (r.c.finished_at >= start))
-                    .group_by(r.c.tenant_id, r.c.base_model)
+                    .group_by(r.c.tenant_id, r.c.key_id, r.c.base_model)
                 ).all()
-                for tid, base_model, *counts in tenants:
-                    self._add_locked(
-                        tid, TENANT_SCOPE, period, start.timestamp(), base_model, counts
-                    )
-                keys = conn.execute(
-                    select(o.c.tenant_id, o.c.key_id, o.c.base_model, *sums_o)
-                    .where(
-                        (o.c.status == "done")
-                        & (o.c.finished_at >= start.timestamp())
-                        & o.c.key_id.is_not(None)
-                    )
-                    .group_by(o.c.tenant_id, o.c.key_id, o.c.base_model)
-                ).all()
-                for tid, kid, base_model, *counts in keys:
-                    self._add_locked(
-                        tid, key_scope(kid), period, start.timestamp(), base_model, counts
-                    )
+                for tid, kid, base_model, *counts in rows:
+                    at = start.timestamp()
+                    self._add_locked(tid, TENANT_SCOPE, period, at, base_model, counts)
+                    if kid is not None:
+                        self._add_locked(tid, key_scope(kid), period, at, base_model, counts)
 
     def add(
         self,

@@ -1,7 +1,8 @@
 """The tenant and key store behind `treadle admin`: plain functions of a Store.
 
-They write the server's database directly (a running server sees a change at its next
-request: keys are never cached there), so they work with the server up or down.
+They write the server's database directly, so they work with the server up or down; a
+running server sees a key's change (a revocation) within its auth_cache_ttl_s
+(treadle.server.tenancy.auth) and a new key at once.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ loop with its documented error. Every page is saved as a screenshot
 
 Waits are on DOM conditions with generous timeouts (a loaded 2-core machine), never sleeps.
 
-    .venv/bin/python -m pytest -q tests/console/test_console_browser.py
+    .venv/bin/python -m pytest -q tests/server/console/test_console_browser.py
 """
 
 from __future__ import annotations

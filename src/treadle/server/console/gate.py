@@ -118,7 +118,7 @@ async def login(request: Request) -> Response:
     key = (form.get("key") or [""])[0].strip()
     nxt = _next((form.get("next") or [nxt])[0])
     try:
-        keyring.authenticate(key)
+        await keyring.authenticate(key)
     except AuthError as e:
         context = {"next": nxt, "message": str(e), "dev_mode": keyring.dev_mode}
         return templates.TemplateResponse(request, "login.html", context, status_code=401)

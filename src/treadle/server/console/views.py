@@ -8,7 +8,7 @@ all, and each one must therefore filter on its own. A session of another tenant 
 same NotFoundError as one that does not exist.
 
 ConsoleViews puts the pages together: the overview, checkpoints and usage here, the session
-pages in console_sessions (SessionViews), what every read shares in console_base.
+pages in sessions.py (SessionViews), what every read shares in views_base.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from treadle.server.core.console_base import OPS, C, G, M, S, V, _iso, _iso_ts, _scoped, _version
-from treadle.server.core.console_sessions import SESSION_SORTS as SESSION_SORTS  # re-exported
-from treadle.server.core.console_sessions import SessionViews
+from treadle.server.console.sessions import SESSION_SORTS as SESSION_SORTS  # re-exported
+from treadle.server.console.sessions import SessionViews
+from treadle.server.console.views_base import OPS, C, G, M, S, V, _iso, _iso_ts, _scoped, _version
 from treadle.server.engines.client import overall
 from treadle.server.tenancy import metering
 
@@ -88,8 +88,8 @@ class ConsoleViews(SessionViews):
                     "vocab_size": facts.vocab_size,
                     "max_seq_len": facts.max_seq_len,
                     "max_lora_rank": facts.max_lora_rank,
-                    "in_flight": self.metrics.in_flight(engine.name, scope),
-                    "batch_sizes": self.metrics.batch_sizes(engine.name, scope),
+                    "in_flight": self.recorder.in_flight(engine.name, scope),
+                    "batch_sizes": self.recorder.batch_sizes(engine.name, scope),
                     "tokens_per_s": [
                         [round(t + BUCKET_S, 3), round(n / BUCKET_S, 3)]
                         for t, n in zip(edges, tokens[engine.name], strict=True)

@@ -1,17 +1,23 @@
 """A training model's per-step figures (step_figures): the server's own, which the console
 draws next to the loop's, and the loop's own (log_metrics): their names, the check of a
 log_metrics body, and the write that replaces a step's figures.
+
+The loop's own are written whether or not the console runs (`log_user`: the SDK's
+TrainingClient.log_metrics keeps working, and a console started later shows them).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Connection, delete, insert
 from sqlalchemy.dialects import postgresql, sqlite
 
+from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import StepFigureRow
 
 STEP_FIGURES = StepFigureRow.__table__
@@ -95,3 +101,25 @@ def check_user_metrics(step: Any, metrics: Any) -> tuple[int, dict[str, float], 
         else:
             skipped.append(name)
     return step, kept, skipped
+
+
+async def log_user(
+    journal: Journal,
+    tenant_id: str,
+    session_id: str,
+    model_id: str,
+    step: int,
+    values: Mapping[str, float],
+) -> None:
+    """A loop's own figures of one step (TrainingClient.log_metrics), through the journal."""
+    write = functools.partial(
+        write_figures,
+        tenant_id=tenant_id,
+        session_id=session_id,
+        model_id=model_id,
+        step=step,
+        values=values,
+        source="user",
+        at=time.time(),
+    )
+    await journal.run(write)

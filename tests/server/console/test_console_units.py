@@ -1,14 +1,13 @@
 """The console's parts without HTTP or an engine: per-step figures and op records written
-where outcomes finish (a real database and journal, fake ops), the timeline's percentiles,
-lanes and Chrome trace, and spend caps (counting, the baseline, periods, the 429).
+by its recorder where outcomes finish (a real database and journal, fake ops), the loop's
+own figures, and the timeline's percentiles, lanes and Chrome trace.
 
-    .venv/bin/python -m pytest -q tests/console/test_console_units.py
+    .venv/bin/python -m pytest -q tests/server/console/test_console_units.py
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
 
 import numpy as np
@@ -17,7 +16,6 @@ from sqlalchemy import select
 
 from treadle.engine.types import AdamSpec, SampledSeq, SampleRequest, SampleResult, TrainDatum
 from treadle.engine.types import TrainResult as EngineTrainResult
-from treadle.errors import QuotaExceededError
 from treadle.protocol.facts import EngineFacts
 from treadle.protocol.ops import (
     Op,
@@ -30,18 +28,19 @@ from treadle.protocol.ops import (
     Usage,
 )
 from treadle.server.config import InputLimits, Price
-from treadle.server.core import timeline
+from treadle.server.console import timeline
+from treadle.server.console.figures import check_user_metrics, log_user
+from treadle.server.console.recorder import Recorder
 from treadle.server.core.board import FutureBoard
-from treadle.server.core.figures import check_user_metrics
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
-from treadle.server.core.metrics import Metrics
 from treadle.server.storage.database import Store
 from treadle.server.storage.journal import Journal
-from treadle.server.storage.rows import OpRecordRow, RequestRow, StepFigureRow, utcnow
-from treadle.server.tenancy import spend, tenants
+from treadle.server.storage.rows import OpRecordRow, StepFigureRow
+from treadle.server.tenancy import spend
 from treadle.server.tenancy.auth import DEV_TENANT, Tenant
 from treadle.server.tenancy.quotas import QuotaBook, Quotas
+from treadle.server.tenancy.spend_listener import SpendListener
 
 PRICE = {"m": Price(prefill=1.0, sample=2.0, train=4.0)}  # $ per million tokens
 
@@ -66,17 +65,20 @@ def datum(n: int, weighted: int) -> TrainDatum:
 
 
 def run(tmp_path, scenario) -> None:
+    """`scenario(store, futures, recorder, book, engine)` against a real database and
+    journal, with the listeners the app gives Futures when the console is on."""
+
     async def main() -> None:
         store = Store(f"sqlite:///{tmp_path / 'treadle.db'}")
         journal = Journal(store.engine)
         journal.start()
         book = spend.SpendBook(store.engine, PRICE)
         admission = Admission(InputLimits(), QuotaBook(Quotas(), {}), spend=book)
-        metrics = Metrics(journal, book)
+        recorder = Recorder(journal)
         board = FutureBoard(asyncio.get_running_loop())
-        futures = Futures(journal, board, admission, 30.0, metrics)
+        futures = Futures(journal, board, admission, 30.0, [SpendListener(book), recorder])
         try:
-            await scenario(store, futures, metrics, book, Engine())
+            await scenario(store, futures, recorder, book, Engine())
         finally:
             journal.stop()
             store.close()
@@ -84,14 +86,14 @@ def run(tmp_path, scenario) -> None:
     asyncio.run(main())
 
 
-async def settle(futures: Futures, request_id: str) -> None:
+async def settle(futures: Futures, recorder: Recorder, request_id: str) -> None:
     await futures.result(request_id)  # its outcome committed and delivered
     await futures.journal.run(lambda conn: None)  # its figures recorded (after the commit)
-    await asyncio.to_thread(futures.metrics.flush)  # and written
+    await asyncio.to_thread(recorder.flush)  # and written
 
 
 def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
-    async def scenario(store, futures, metrics, book, engine):
+    async def scenario(store, futures, recorder, book, engine):
         kw = {"tenant": DEV_TENANT, "session_id": "s", "model_id": "s:train:0"}
         model = "s:train:0"
         seq = iter(range(1, 100))
@@ -105,7 +107,7 @@ def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
                 rid, EngineTrainResult([], {"loss:sum": loss}), Usage(train_tokens=payload.n_tokens)
             )
             futures.finish([outcome.timed(time.time())])
-            await settle(futures, rid)
+            await settle(futures, recorder, rid)
 
         async def optim(grad_norm: float, lr: float) -> None:
             rid = await futures.file(
@@ -113,7 +115,7 @@ def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
             )
             result = OptimResult({"grad_norm:mean": grad_norm, "learning_rate:mean": lr})
             futures.finish([Outcome.ok(rid, result).timed(time.time())])
-            await settle(futures, rid)
+            await settle(futures, recorder, rid)
 
         # step 0: two forward_backward chunks (loss per loss token over both), then a step
         await fb(6.0, [datum(8, 3), datum(4, 4)])
@@ -121,8 +123,9 @@ def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
         await optim(1.5, 1e-3)
         await fb(3.0, [datum(6, 6)])  # step 1
         await optim(0.5, 5e-4)
-        await metrics.log_user("default", "s", model, 1, {"train/reward": 0.25})
-        await metrics.log_user("default", "s", model, 1, {"train/reward": 0.5})  # replaces
+        journal = futures.journal  # the loop's own (log_metrics), console or not
+        await log_user(journal, "default", "s", model, 1, {"train/reward": 0.25})
+        await log_user(journal, "default", "s", model, 1, {"train/reward": 0.5})  # replaces
 
         rows = store.query(select(StepFigureRow).order_by(StepFigureRow.step, StepFigureRow.name))
         got = {(r.step, r.name, r.source): r.value for r in rows}
@@ -156,14 +159,14 @@ def test_steps_and_figures_are_recorded_where_outcomes_finish(tmp_path):
 
 
 def test_a_failed_op_is_recorded_and_opens_no_step(tmp_path):
-    async def scenario(store, futures, metrics, book, engine):
+    async def scenario(store, futures, recorder, book, engine):
         kw = {"tenant": DEV_TENANT, "session_id": "s", "model_id": "s:train:0"}
         rid = await futures.file(engine, OpKind.OPTIM_STEP, OptimStep(AdamSpec()), seq_id=1, **kw)
         futures.finish([Outcome.failed(rid, ValueError("boom")).timed(time.time())])
         with pytest.raises(Exception, match="boom"):
             await futures.result(rid)
         await futures.journal.run(lambda conn: None)
-        await asyncio.to_thread(metrics.flush)
+        await asyncio.to_thread(recorder.flush)
         (op,) = store.query(select(OpRecordRow))
         assert op.status == "failed" and "boom" in op.error and op.step == 0
         assert store.query(select(StepFigureRow)) == []
@@ -172,23 +175,23 @@ def test_a_failed_op_is_recorded_and_opens_no_step(tmp_path):
 
 
 def test_batch_sizes_and_in_flight_are_per_tenant(tmp_path):
-    async def scenario(store, futures, metrics, book, engine):
+    async def scenario(store, futures, recorder, book, engine):
         other = Tenant("t2", "other")
         rids = []
         for tenant, n in ((DEV_TENANT, 2), (other, 3)):
             req = SampleRequest([1, 2], num_samples=n)
             kw = {"tenant": tenant, "session_id": tenant.name, "sampling_session_id": "x"}
             rids.append(await futures.file(engine, OpKind.SAMPLE, Sample(req), **kw))
-        assert metrics.in_flight("m", None) == 2 and metrics.in_flight("m", "t2") == 1
+        assert recorder.in_flight("m", None) == 2 and recorder.in_flight("m", "t2") == 1
         started = time.time()  # one engine call ran both
         result = SampleResult([SampledSeq([1], [0.0], "length")])
         futures.finish([Outcome.ok(r, result).timed(started) for r in rids])
         for r in rids:
-            await settle(futures, r)
-        assert metrics.in_flight("m", None) == 0
-        both = metrics.batch_sizes("m", None)["sample"]
+            await settle(futures, recorder, r)
+        assert recorder.in_flight("m", None) == 0
+        both = recorder.batch_sizes("m", None)["sample"]
         assert (both["calls"], both["max_ops"], both["max_rows"]) == (1, 2, 5)
-        mine = metrics.batch_sizes("m", "t2")["sample"]
+        mine = recorder.batch_sizes("m", "t2")["sample"]
         assert (mine["calls"], mine["max_ops"], mine["max_rows"]) == (1, 1, 3)
         assert {o.batch_ops for o in store.query(select(OpRecordRow))} == {2}
 
@@ -279,95 +282,3 @@ def test_lanes_never_overlap_and_the_trace_nests_runs_in_ops():
     bars = timeline.svg_bars(ops)
     assert len(bars["bars"]) == len(ops) and bars["height"] <= 480
     assert all(0 <= b["x0"] <= b["x1"] <= b["x2"] <= bars["width"] + 0.5 for b in bars["bars"])
-
-
-# ---- spend caps ----
-def test_periods():
-    when = dt.datetime(2026, 12, 31, 23, 59, tzinfo=dt.UTC)
-    assert spend.period_bounds("day", when) == (
-        dt.datetime(2026, 12, 31, tzinfo=dt.UTC),
-        dt.datetime(2027, 1, 1, tzinfo=dt.UTC),
-    )
-    assert spend.period_bounds("month", when) == (
-        dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
-        dt.datetime(2027, 1, 1, tzinfo=dt.UTC),
-    )
-    assert spend.period_bounds("month", when.replace(month=2, day=3))[1].month == 3
-
-
-def test_spend_caps_count_and_refuse_with_a_message_naming_the_cap(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 'treadle.db'}")
-    try:
-        tenants.create_tenant(store, "acme")
-        key, key_row = tenants.create_key(store, "acme")
-        acme = Tenant(tenants.find_tenant(store, "acme").tenant_id, "acme")
-        # a request finished before the server started counts towards today's cap
-        store.add(
-            RequestRow(
-                request_id="old",
-                kind="forward_backward",
-                tenant_id=acme.tenant_id,
-                base_model="m",
-                status="done",
-                train_tokens=60,
-                finished_at=utcnow(),
-            )
-        )
-        book = spend.SpendBook(store.engine, PRICE)
-        book.load()
-        book.check(acme, None)  # no caps yet
-        assert spend.set_cap(store, "acme", "day", max_tokens=100)["max_tokens"] == 100
-        spend.set_cap(store, "acme", "month", max_usd=0.001, key=key_row.key_id)
-        book._caps_read_at = float("-inf")  # re-read at once, not within a second
-        book.check(acme, key_row.key_id)  # 60 of 100 tokens; the key spent $0 of $0.001
-        book.add(acme.tenant_id, key_row.key_id, "m", (10, 20, 10), time.time())
-        with pytest.raises(QuotaExceededError) as err:
-            book.check(acme, None)
-        message = str(err.value)
-        assert message.startswith("spend cap tokens_per_day (100 tokens) of tenant 'acme'")
-        assert "100 tokens spent" in message and "resets at" in message
-        assert err.value.http_headers == {"x-should-retry": "false"}
-        # the key's own cap: 40 of its tokens cost 10*1 + 20*2 + 10*4 = $0.00009
-        spend.set_cap(store, "acme", "day", max_tokens=0)  # cleared
-        book._caps_read_at = float("-inf")
-        book.check(acme, key_row.key_id)
-        book.add(acme.tenant_id, key_row.key_id, "m", (0, 500, 0), time.time())
-        with pytest.raises(QuotaExceededError, match=r"usd_per_month \(\$0.001\) of key tml-"):
-            book.check(acme, key_row.key_id)
-        book.check(acme, None)  # another key of the tenant is not capped
-        # a result of yesterday finishing late changes nothing of today
-        book.add(acme.tenant_id, None, "m", (0, 0, 10**6), time.time() - 2 * 86400)
-        assert book.spent(acme.tenant_id, spend.TENANT_SCOPE, "day").tokens == 600
-        report = book.report(acme.tenant_id)
-        assert [(c["scope"], c["period"], c["max_usd"]) for c in report] == [
-            (spend.key_scope(key_row.key_id), "month", 0.001)
-        ]
-        with pytest.raises(ValueError, match="tokens or usd"):
-            spend.set_cap(store, "acme", "day")
-        with pytest.raises(ValueError, match="period"):
-            spend.set_cap(store, "acme", "week", max_tokens=5)
-    finally:
-        store.close()
-
-
-def test_only_metered_operations_meet_a_spend_cap(tmp_path):
-    async def scenario(store, futures, metrics, book, engine):
-        tenants.create_tenant(store, "acme")
-        acme = Tenant(tenants.find_tenant(store, "acme").tenant_id, "acme")
-        spend.set_cap(store, "acme", "day", max_tokens=1)
-        book.add(acme.tenant_id, None, "m", (0, 0, 5), time.time())
-        kw = {"tenant": acme, "session_id": "s", "model_id": "s:train:0"}
-        with pytest.raises(QuotaExceededError, match="spend cap"):
-            await futures.file(
-                engine,
-                OpKind.FORWARD_BACKWARD,
-                TrainData([datum(4, 4)], "cross_entropy", {}),
-                seq_id=1,
-                **kw,
-            )
-        # the refused forward_backward held its seq_id with a skip; an optimizer step passes
-        assert [op.kind for op in engine.ops] == [OpKind.SKIP]
-        await futures.file(engine, OpKind.OPTIM_STEP, OptimStep(AdamSpec()), seq_id=2, **kw)
-        assert engine.ops[-1].kind == OpKind.OPTIM_STEP
-
-    run(tmp_path, scenario)

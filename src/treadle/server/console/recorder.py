@@ -1,18 +1,20 @@
-"""Per-step figures, the request timeline and live engine figures: what the console shows,
-recorded where every outcome finishes (treadle.server.core.futures).
+"""The console's recorder: per-step figures, the request timeline and live engine figures,
+recorded as an outcome listener (treadle.server.core.listeners) that the app adds only when
+the console is on.
 
-- Filing (Futures.file, on the event loop) notes each op's context in memory: tenant, key,
+- Filing (`filed`, on the event loop) notes each op's context in memory: tenant, key,
   session, model, served model, kind, when it was filed, and for a forward_backward the
   tokens its loss counts (non-zero weights or advantages) and its datums.
-- Finishing (Futures.finish, once the results are committed and their polls woken, on the
+- Finishing (`finished`, once the results are committed and their polls woken, on the
   journal thread in commit order) numbers the steps and records, in memory:
   - one op_records row per op: filed / started / finished times, status, usage, the number
     of ops in the same engine call, and the step of a training op;
   - the step figures of a training model (step_figures): step s of a model is the number of
     optim_steps it completed before; each forward_backward adds to its step's loss sum,
     loss tokens and tokens, an optim_step sets grad_norm and learning_rate and closes the
-    step (their names and their write: treadle.server.core.figures);
-  and feeds the spend caps' counters (treadle.server.tenancy.spend).
+    step (their names and their write: treadle.server.console.figures).
+  Spend is not counted here (treadle.server.tenancy.spend_listener): an op this recorder
+  let go of (MAX_PENDING) only misses its row in the console.
 - A thread of its own writes what was recorded through the journal, FLUSH_S after the first
   of it, in one write: a result is never held up by its figures, nor a loop's next request
   by its last one's (a crash loses at most the last FLUSH_S of figures; results are never
@@ -49,7 +51,7 @@ from treadle.protocol.ops import (
     Sample,
     TrainData,
 )
-from treadle.server.core.figures import (
+from treadle.server.console.figures import (
     GRAD_NORM,
     LEARNING_RATE,
     LOSS,
@@ -60,9 +62,8 @@ from treadle.server.core.figures import (
 )
 from treadle.server.storage.journal import Journal
 from treadle.server.storage.rows import OpRecordRow
-from treadle.server.tenancy.spend import SpendBook, current_key_id
 
-log = logging.getLogger("treadle.metrics")
+log = logging.getLogger("treadle.console")
 
 OP_RECORDS = OpRecordRow.__table__
 # Ops filed and not finished, remembered in memory (a lost one must not grow the server).
@@ -74,7 +75,7 @@ FLUSH_S = 0.2
 
 
 @dataclass
-class Filed:
+class OpNote:
     """What the console needs to know of one op, noted when it is filed."""
 
     kind: OpKind
@@ -104,22 +105,21 @@ class StepSums:
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-class Metrics:
-    def __init__(self, journal: Journal, spend: SpendBook | None = None):
+class Recorder:
+    def __init__(self, journal: Journal):
         self.journal = journal
-        self.spend = spend
         self._lock = threading.Lock()
-        self._pending: OrderedDict[str, Filed] = OrderedDict()
+        self._pending: OrderedDict[str, OpNote] = OrderedDict()
         self._calls: dict[str, deque[Call]] = defaultdict(lambda: deque(maxlen=MAX_CALLS))
         self._steps: dict[str, int] = {}  # model_id → optim_steps recorded
         self._open: dict[str, StepSums] = {}  # model_id → its current step's sums
         # recorded, not yet written: op_records rows, and step figures by (model, step)
         self._records: list[dict[str, Any]] = []
-        self._figures: dict[tuple[str, int], tuple[Filed, dict[str, float]]] = {}
+        self._figures: dict[tuple[str, int], tuple[OpNote, dict[str, float]]] = {}
         self._wake = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="console-recorder", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,14 +133,13 @@ class Metrics:
             self._thread.join(30)
         self.flush()
 
-    # ---- filing and finishing (Futures) ----
-    def filed(self, op: Op, values: Mapping[str, Any], key_id: str | None = None) -> None:
-        """Note an op being filed (in the request's context: its key is known there; or
-        `key_id`, for an op another API process filed)."""
-        f = Filed(
+    # ---- the outcome listener (Futures) ----
+    def filed(self, op: Op, values: Mapping[str, Any]) -> None:
+        """Note an op being filed (`values`: its request row's columns)."""
+        f = OpNote(
             kind=op.kind,
             tenant_id=values["tenant_id"],
-            key_id=key_id or current_key_id(),
+            key_id=values.get("key_id"),
             session_id=values.get("session_id"),
             model_id=op.model_id,
             base_model=values.get("base_model"),
@@ -177,14 +176,8 @@ class Metrics:
                 self._records.append(_record(o, f, step, per_call))
             if idle:  # the writer waits for a first record, then gathers for FLUSH_S
                 self._wake.notify()
-        if self.spend is not None:
-            for o, f in entries:
-                if o.succeeded:
-                    u = o.usage
-                    counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens)
-                    self.spend.add(f.tenant_id, f.key_id, f.base_model, counts, _end(o))
 
-    def _note_calls(self, entries: list[tuple[Outcome, Filed]]) -> None:
+    def _note_calls(self, entries: list[tuple[Outcome, OpNote]]) -> None:
         # The outcomes of one engine call share its start time.
         calls: dict[tuple[str, float, str], dict[str, tuple[int, int]]] = {}
         for o, f in entries:
@@ -225,7 +218,7 @@ class Metrics:
             except Exception:
                 log.warning("could not record the figures of %d ops", len(records), exc_info=True)
 
-    def _figures_of(self, o: Outcome, f: Filed) -> int | None:
+    def _figures_of(self, o: Outcome, f: OpNote) -> int | None:
         """The step of a training op; its figures go into the step's (under the lock)."""
         if f.model_id is None or f.kind not in (OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP):
             return None
@@ -254,22 +247,6 @@ class Metrics:
         self._steps[f.model_id] = step + 1
         self._open.pop(f.model_id, None)
         return step
-
-    # ---- the loop's own metrics (TrainingClient.log_metrics) ----
-    async def log_user(
-        self,
-        tenant_id: str,
-        session_id: str,
-        model_id: str,
-        step: int,
-        values: dict[str, float],
-    ) -> None:
-        now = time.time()
-
-        def write(conn: Connection) -> None:
-            write_figures(conn, tenant_id, session_id, model_id, step, values, "user", now)
-
-        await self.journal.run(write)
 
     # ---- live figures (the overview) ----
     def in_flight(self, base_model: str, tenant_id: str | None) -> int:
@@ -309,7 +286,7 @@ class Metrics:
         return out
 
 
-def _record(o: Outcome, f: Filed, step: int | None, per_call: Counter) -> dict[str, Any]:
+def _record(o: Outcome, f: OpNote, step: int | None, per_call: Counter) -> dict[str, Any]:
     """The op_records row of one outcome."""
     u = o.usage
     return {
@@ -336,7 +313,7 @@ def _record(o: Outcome, f: Filed, step: int | None, per_call: Counter) -> dict[s
 def _write(
     conn: Connection,
     records: list[dict[str, Any]],
-    figures: dict[tuple[str, int], tuple[Filed, dict[str, float]]],
+    figures: dict[tuple[str, int], tuple[OpNote, dict[str, float]]],
 ) -> None:
     if records:
         conn.execute(insert(OP_RECORDS), records)

@@ -1,10 +1,10 @@
 """What every read of the console shares: its tables, the views' state, and the scope rule.
 
 The console's reads bypass the ORM's per-request tenant filter (see
-treadle.server.core.console), so each statement filters on `scope` itself with _scoped;
-ViewsBase holds what they all read from (the config, the Store, the engines, the live
-metrics, the spend book) and the tenant names they show. _version and the _iso helpers
-shape rows the same way on every page.
+treadle.server.console.views), so each statement filters on `scope` itself with _scoped;
+ViewsBase holds what they all read from (the config, the Store, the engines, the
+recorder's live figures, the spend book) and the tenant names they show. _version and the
+_iso helpers shape rows the same way on every page.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from treadle.server.config import ServerConfig
-from treadle.server.core.metrics import Metrics
+from treadle.server.console.recorder import Recorder
 from treadle.server.engines.served import Engines
 from treadle.server.storage.database import Store
 from treadle.server.storage.rows import (
@@ -45,13 +45,13 @@ class ViewsBase:
         config: ServerConfig,
         store: Store,
         engines: Engines,
-        metrics: Metrics,
+        recorder: Recorder,
         spend: SpendBook,
     ):
         self.config = config
         self.store = store
         self.engines = engines
-        self.metrics = metrics
+        self.recorder = recorder
         self.spend = spend
 
     def _conn(self) -> Any:

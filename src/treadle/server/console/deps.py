@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from treadle.server.api.deps import StateDep, TenantDep
-from treadle.server.core.console import ConsoleViews
+from treadle.server.console.views import ConsoleViews
 from treadle.server.tenancy.auth import Tenant, request_key
 from treadle.server.tenancy.tenants import is_admin_key
 

@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.server.api.console.deps import ViewerDep, ViewsDep
 from treadle.server.api.deps import StateDep
-from treadle.server.core.figures import check_user_metrics
+from treadle.server.console.deps import ViewerDep, ViewsDep
+from treadle.server.console.figures import check_user_metrics, log_user
 from treadle.server.tenancy import metering
 from treadle.server.tenancy.auth import owns
 
@@ -118,8 +118,9 @@ class LogMetricsRequest(BaseModel):
 
 
 @metrics_router.post("/metrics")
-async def log_metrics(body: LogMetricsRequest, state: StateDep, views: ViewsDep) -> dict:
-    """A training loop's own metrics of one step, shown beside the server's in the console."""
+async def log_metrics(body: LogMetricsRequest, state: StateDep) -> dict:
+    """A training loop's own metrics of one step, shown beside the server's in the console
+    (kept with the console off too: the loop's call still works)."""
     row = await asyncio.to_thread(state.models.row, body.model_id)
     if row is None or not owns(row.tenant_id):
         raise NotFoundError(f"model_id: model {body.model_id!r} not found")
@@ -127,7 +128,7 @@ async def log_metrics(body: LogMetricsRequest, state: StateDep, views: ViewsDep)
         step, values, skipped = check_user_metrics(body.step, body.metrics)
     except ValueError as e:
         raise InvalidRequestError(str(e)) from e
-    await views.metrics.log_user(row.tenant_id, row.session_id, row.model_id, step, values)
+    await log_user(state.journal, row.tenant_id, row.session_id, row.model_id, step, values)
     return {"recorded": len(values), "skipped": skipped}
 
 

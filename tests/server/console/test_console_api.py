@@ -3,7 +3,7 @@ a tenant server sends a browser to log in and keeps the key in a cookie that aut
 only, log_metrics checks what it is sent, and a cookbook loop's metrics and the server's
 figures are still there after a restart.
 
-    .venv/bin/python -m pytest -q tests/console/test_console_api.py
+    .venv/bin/python -m pytest -q tests/server/console/test_console_api.py
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 SessionViews reads sessions with their models, activity and metered cost (_session_rows,
 _costs), a session's figures per step as curves (thinned past MAX_POINTS), and its op
-records as a timeline or a Chrome trace (treadle.server.core.timeline). Every read is
-scoped like the rest of the console (treadle.server.core.console).
+records as a timeline or a Chrome trace (treadle.server.console.timeline). Every read is
+scoped like the rest of the console (treadle.server.console.views).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, func, select
 
 from treadle.errors import NotFoundError
-from treadle.server.core import timeline
-from treadle.server.core.console_base import (
+from treadle.server.console import timeline
+from treadle.server.console.figures import SERVER_FIGURES
+from treadle.server.console.views_base import (
     OPS,
     C,
     F,
@@ -28,7 +29,6 @@ from treadle.server.core.console_base import (
     _scoped,
     _version,
 )
-from treadle.server.core.figures import SERVER_FIGURES
 from treadle.server.tenancy import metering
 
 MAX_SESSIONS = 500

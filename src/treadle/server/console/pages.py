@@ -1,5 +1,5 @@
 """The console's pages: server-rendered from the same read model as the JSON endpoints
-(treadle.server.core.console). Each page's live part re-fetches itself every few seconds
+(treadle.server.console.views). Each page's live part re-fetches itself every few seconds
 (htmx: hx-get the page, hx-select the part); its charts poll the JSON endpoints
 (static/console.js with uPlot).
 
@@ -20,11 +20,11 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
-from treadle.server.api.console.deps import Viewer, ViewerDep, ViewsDep
 from treadle.server.api.deps import KeyDep, StateDep
 from treadle.server.api.tinker import checkpoints as checkpoint_routes
-from treadle.server.core import timeline
-from treadle.server.core.console import SESSION_SORTS
+from treadle.server.console import timeline
+from treadle.server.console.deps import Viewer, ViewerDep, ViewsDep
+from treadle.server.console.views import SESSION_SORTS
 from treadle.server.tenancy import metering
 from treadle.server.tenancy.auth import Tenant, reset_current_tenant, set_current_tenant
 

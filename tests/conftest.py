@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _pg import PostgresServer, find_bin_dir
 
 from treadle.launch import ServerProcess
 
@@ -90,6 +92,31 @@ def gguf_path() -> Path:
     return path
 
 
+# ---- PostgreSQL: one server for the whole session, a fresh database per test (tests/_pg.py);
+# skipped, with the reason, where no PostgreSQL binaries are installed (.ci/run installs them)
+NOT_INSTALLED = (
+    "PostgreSQL is not installed (no initdb/pg_ctl on PATH, in /usr/lib/postgresql/*/bin or "
+    "in $TREADLE_PG_BIN); `.ci/run` installs it"
+)
+_pg_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    if find_bin_dir() is None:
+        pytest.skip(NOT_INSTALLED)
+    pytest.importorskip("psycopg")
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> str:
+    """A new, empty database on the session's server."""
+    return postgres.create_database(f"t{next(_pg_names)}")
+
+
 # ---- cost marks ----
 _MARKS = {
     "e2e": re.compile(r"\b(launch_server|ServerProcess|treadle_server|start_server)\b"),
@@ -112,7 +139,7 @@ def _what_runs(item: pytest.Item) -> str:
     """The source of a test and of every fixture it uses (transitively)."""
     parts = [_source(getattr(item, "function", None))]
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+    for defs in info.name2fixturedefs.values() if info is not None else ():
         parts += [_source(d.func) for d in defs]
     return "\n".join(parts)
 

@@ -19,7 +19,7 @@ import pytest
 
 from treadle.launch import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = "treadle/tiny-llama"
 PRICES = {TINY: {"prefill": 0.5, "sample": 2.0, "train": 3.0}}  # $ per million tokens
 

@@ -25,11 +25,16 @@ _MLP_PARTS = ("mlp", "feed_forward", "ffn")
 
 @dataclass
 class LoraPair:
-    """The update of one nn.Linear: W x + scale * B (A x)."""
+    """The update of one nn.Linear: W x + scale * B (A x); of a fused expert weight, one
+    such update per expert, stacked (treadle.engine.lora_experts)."""
 
-    A: torch.Tensor  # (r, in)
-    B: torch.Tensor  # (out, r)
+    A: torch.Tensor  # (r, in), or (E, r, in)
+    B: torch.Tensor  # (out, r), or (E, out, r)
     scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[-2]
 
 
 @dataclass
@@ -91,16 +96,16 @@ def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:
 def unsafe_layer(layers: dict[str, LoraPair]) -> str | None:
     """The first layer whose A, B or update scale * B A may not be finite (None: all safe).
 
-    Every entry of the update is at most |scale| * rank * max|A| * max|B|; keeping that under
-    the adapter dtype's largest value keeps the update and the merged weight W + s B A of
-    the single-adapter path finite, not just A and B (after learning_rate 1e30 both are
-    still finite, around 1e30, while B A overflows).
+    Every entry of the update (of every expert) is at most |scale| * rank * max|A| * max|B|;
+    keeping that under the adapter dtype's largest value keeps the update and the merged
+    weight W + s B A of the single-adapter path finite, not just A and B (after
+    learning_rate 1e30 both are still finite, around 1e30, while B A overflows).
     """
     pairs = list(layers.items())
     peaks = tensor_peaks([t for _, pair in pairs for t in (pair.A, pair.B)])
     for i, (path, pair) in enumerate(pairs):
         a, b = peaks[2 * i], peaks[2 * i + 1]
-        bound = abs(pair.scale) * pair.A.shape[0] * a * b
+        bound = abs(pair.scale) * pair.rank * a * b
         if not (math.isfinite(bound) and bound <= torch.finfo(pair.A.dtype).max):
             return f"{path}: max |A| {a:.3g}, max |B| {b:.3g}, scale {pair.scale:.3g}"
     return None

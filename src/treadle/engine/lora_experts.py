@@ -1,0 +1,248 @@
+"""LoRA on the routed experts of a mixture-of-experts model: a low-rank update per expert.
+
+transformers 5 keeps a MoE layer's experts as fused 3-D parameters of one module
+(`mlp.experts.gate_up_proj`, `down_proj`): (E, out, in), or (E, in, out) where the module's
+`is_transposed` is set (gpt-oss). peft's `target_parameters` (lora.ParamWrapper) gives
+expert e of such a parameter its own A_e (r, in) and B_e (out, r) and computes with
+W_e + scale * B_e A_e; a LoraPair here holds them stacked, A (E, r, in) and B (E, out, r),
+with the same scale, so expert e of a token computes W_e x + scale * B_e (A_e x). The
+router is never a target: it stays the base's.
+
+Routing. The bank replaces the experts module's forward (as it does an nn.Linear's) with
+routed_experts, which reads the rows() route: every (token, chosen expert) pair is sorted by
+expert, then by the adapter of the token's row, and each expert runs its base matmul once
+for all of its pairs and each adapter's update on that adapter's pairs only, forward and
+backward (autograd through _LoraDelta). A pair never meets another adapter's weights, and
+rows without a LoRA on this parameter add an exact zero.
+
+One more isolation detail. Which pairs share an expert's base matmul depends on where the
+other rows' tokens are routed (a NaN row routes anywhere). This machine's BLAS sums a row of
+a matmul with fewer than MIN_ROWS rows in another order than the same row of a larger one,
+so a group that small is padded with zero rows: a row's numbers then do not depend on how
+many tokens of the batch chose its expert (checked bit for bit on CPU; GPU kernels pick their
+tiling from the shape, so there a row's rounding, never its values, may depend on that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treadle.engine.lora_adapters import LoraPair
+from treadle.engine.lora_kernels import _LoraDelta
+from treadle.engine.lora_routing import _Route
+
+# the fused expert weights LoRA may target
+EXPERT_PARAM_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+MIN_ROWS = 4  # see the module docstring
+
+
+@dataclass(frozen=True)
+class ExpertParam:
+    """One fused 3-D expert weight that LoRA may target."""
+
+    module: str  # path of the experts module
+    name: str  # gate_up_proj | up_proj | down_proj
+    num_experts: int
+    in_features: int
+    out_features: int
+    transposed: bool  # stored (E, in, out) rather than (E, out, in)
+    position: int  # among the module's parameters, in registration order (peft nests by it)
+
+
+def find_expert_params(model: nn.Module) -> dict[str, ExpertParam]:
+    """Parameter path -> ExpertParam for every fused expert weight of the model.
+
+    An experts module is one that transformers' `use_experts_implementation` describes
+    (`num_experts`, `is_transposed`, `has_gate`, `has_bias`): only then is its math known
+    well enough to add a per-expert update to it. Experts split across processes (expert
+    parallel) are not.
+    """
+    found: dict[str, ExpertParam] = {}
+    for path, module in model.named_modules():
+        known = all(hasattr(module, a) for a in ("num_experts", "is_transposed", "has_gate"))
+        if not known or getattr(module, "_is_expert_parallel", False):
+            continue
+        for position, (name, p) in enumerate(module._parameters.items()):
+            if name not in EXPERT_PARAM_NAMES or p is None or p.ndim != 3:
+                continue
+            E, d1, d2 = p.shape
+            n_in, n_out = (d1, d2) if module.is_transposed else (d2, d1)
+            transposed = bool(module.is_transposed)
+            found[f"{path}.{name}"] = ExpertParam(path, name, E, n_in, n_out, transposed, position)
+    return dict(sorted(found.items()))
+
+
+def expert_modules(params: dict[str, ExpertParam]) -> dict[str, list[str]]:
+    """Experts module path -> its targetable parameter paths, in registration order."""
+    out: dict[str, list[str]] = {}
+    for path, p in params.items():
+        out.setdefault(p.module, []).append(path)
+    for paths in out.values():
+        paths.sort(key=lambda q: params[q].position)
+    return out
+
+
+def delta_weight(pair: LoraPair, param: ExpertParam) -> torch.Tensor:
+    """scale * B_e A_e of every expert in fp32, laid out as the parameter: (E, out, in), or
+    (E, in, out) for a transposed one."""
+    delta = torch.bmm(pair.B.detach().float(), pair.A.detach().float()) * pair.scale
+    return delta.transpose(1, 2) if param.transposed else delta  # (E, out, in) / (E, in, out)
+
+
+# ---- peft's layout (ParamWrapper): lora_A (r*E, in), lora_B (out, r*E) ----
+def to_peft(pair: LoraPair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A.weight, lora_B.weight) as peft stores them: A's rows expert by expert, B's
+    columns rank-major (column j*E + e is B_e[:, j]), which peft reshapes back."""
+    A, B = pair.A.detach(), pair.B.detach()  # (E, r, in), (E, out, r)
+    E, out, r = B.shape
+    return A.reshape(E * r, -1).contiguous(), B.permute(1, 2, 0).reshape(out, r * E).contiguous()
+
+
+def from_peft(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_peft's inverse: (A (E, r, in), B (E, out, r))."""
+    E = num_experts
+    if lora_a.ndim != 2 or lora_b.ndim != 2 or lora_a.shape[0] % E or lora_b.shape[1] % E:
+        raise ValueError(
+            f"expert lora weights of shapes {tuple(lora_a.shape)}, {tuple(lora_b.shape)} do "
+            f"not split into {E} experts"
+        )
+    r = lora_a.shape[0] // E
+    A = lora_a.reshape(E, r, lora_a.shape[1])  # (E, r, in)
+    B = lora_b.reshape(lora_b.shape[0], r, E).permute(2, 0, 1)  # (E, out, r)
+    return A, B
+
+
+# ---- the routed forward ----
+@dataclass
+class _Units:
+    """One adapter's update of one parameter, unbound per expert for this call."""
+
+    A: tuple[torch.Tensor, ...]  # E x (r, in)
+    B: tuple[torch.Tensor, ...]  # E x (out, r)
+    scale: float
+
+
+def _units(pair: LoraPair | None) -> _Units | None:
+    if pair is None:
+        return None
+    # unbind once per call: autograd then stacks each expert's gradient once, not per expert
+    return _Units(pair.A.unbind(0), pair.B.unbind(0), pair.scale)
+
+
+def routed_experts(
+    module: nn.Module,
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    slot_pairs: list[dict[str, LoraPair | None]],
+    token_slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """The experts' output (N, H) of tokens x (N, H) that chose top_k_index (N, k) with
+    top_k_weights (N, k), each token's experts updated by its own adapter: token t's adapter
+    is slot token_slots[t] (None: all slot 0), whose pairs slot_pairs[s] maps by parameter
+    name ({} or None values: no LoRA there)."""
+    N, k = top_k_index.shape
+    E, n_slots = module.num_experts, len(slot_pairs)
+    expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k
+    key = expert_ids
+    if n_slots > 1:
+        key = expert_ids * n_slots + token_slots.repeat_interleave(k)  # (S,)
+    order = torch.argsort(key, stable=True)  # (S,) pairs by expert, then adapter
+    counts = torch.bincount(key, minlength=E * n_slots).view(E, n_slots).tolist()
+    xs = x.index_select(0, order // k)  # (S, H)
+    names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+    units = [{n: _units(pairs.get(n)) for n in names} for pairs in slot_pairs]
+    ys, start = [], 0
+    for e in range(E):
+        sizes = counts[e]
+        n = sum(sizes)
+        if n == 0:
+            continue
+        h = _project(module, names[0], e, xs[start : start + n], sizes, units)  # (n, 2I)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # (n, I)
+        y = _project(module, names[1], e, h, sizes, units)  # (n, H)
+        if getattr(module, "has_post_expert_norm", False):
+            y = module.post_expert_norm(y)
+        ys.append(y)
+        start += n
+    y = torch.cat(ys)  # (S, H), sorted
+    y = y * top_k_weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    # each token sums its k experts in its own order, whatever the other tokens chose
+    return y.index_select(0, inverse).view(N, k, -1).sum(1).to(x.dtype)  # (N, H)
+
+
+def _project(
+    module: nn.Module,
+    name: str,
+    e: int,
+    x: torch.Tensor,
+    sizes: list[int],
+    units: list[dict[str, _Units | None]],
+) -> torch.Tensor:
+    """Expert e's projection `name` of its pairs x (n, in), sorted by adapter slot
+    (sizes[s] pairs of slot s): the base matmul once, each slot's own update on its rows."""
+    W = getattr(module, name)[e]  # (in, out) if transposed else (out, in)
+    n = x.shape[0]
+    xp = x if n >= MIN_ROWS else torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
+    out = (xp @ W if module.is_transposed else F.linear(xp, W))[:n]  # (n, out)
+    if module.has_bias:
+        out = out + getattr(module, f"{name}_bias")[e]
+    pieces: list[torch.Tensor | None] = []
+    start = 0
+    for s, size in enumerate(sizes):
+        if size == 0:
+            continue
+        u = units[s][name]
+        if u is None:
+            pieces.append(None)
+        else:  # in the adapter's dtype, as the nn.Linear path (_delta)
+            piece = x[start : start + size].to(u.A[e].dtype)
+            pieces.append(_LoraDelta.apply(piece, u.A[e], u.B[e], u.scale))  # (size, out)
+        start += size
+    real = next((p for p in pieces if p is not None), None)
+    if real is None:
+        return out
+    if len(pieces) > 1:  # rows without a LoRA here add an exact zero
+        sized = [s for s in sizes if s]
+        pieces = [
+            p if p is not None else real.new_zeros(m, real.shape[1])
+            for p, m in zip(pieces, sized, strict=True)
+        ]
+    delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (n, out)
+    return (out + delta).to(out.dtype)
+
+
+def expert_route(
+    route: _Route, module_path: str, x: torch.Tensor
+) -> tuple[list[dict[str, LoraPair | None]], torch.Tensor | None]:
+    """(slot_pairs, token_slots) of routed_experts for one experts module called on tokens
+    x (N, H): the route's adapters (one slot for a call of one adapter or of the base alone)
+    and, for a mixed call, the slot of each token (the batch's rows, flattened row-major)."""
+    n_tokens = x.shape[0]
+
+    def pairs(adapter) -> dict[str, LoraPair | None]:
+        if adapter is None:
+            return {}
+        return {n: adapter.layers.get(f"{module_path}.{n}") for n in EXPERT_PARAM_NAMES}
+
+    if n_tokens % route.n_rows:
+        raise RuntimeError(
+            f"{module_path}: {n_tokens} tokens do not split into the {route.n_rows} rows "
+            "that rows() routed"
+        )
+    if route.whole is not None or not route.segments:
+        return [pairs(route.whole)], None
+    slots = route.cache.get(("experts", n_tokens))
+    if slots is None:
+        per_row = torch.tensor(route.slots, dtype=torch.long, device=x.device)
+        slots = per_row.repeat_interleave(n_tokens // route.n_rows)  # (N,)
+        route.cache[("experts", n_tokens)] = slots
+    return [pairs(adapter) for adapter, _ in route.segments], slots

@@ -115,7 +115,9 @@ def from_peft(
     r = lora_a.shape[0] // E
     A = lora_a.reshape(E, r, lora_a.shape[1])  # (E, r, in)
     B = lora_b.reshape(lora_b.shape[0], r, E).permute(2, 0, 1)  # (E, out, r)
-    return A, B
+    # contiguous, as create() makes them: a permuted B would sum its matmuls in another order,
+    # and a resumed adapter would drift from the one it was saved from
+    return A.contiguous(), B.contiguous()
 
 
 # ---- the routed forward ----

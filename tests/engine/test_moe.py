@@ -77,6 +77,49 @@ def test_tiny_moe_is_the_real_architecture(moe_dir, moe_engine):
     moe_engine.drop_adapter("shapes")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_other_moe_families_adapt_their_experts_as_peft(family, tmp_path):
+    """Any transformers-5 MoE (fused experts): Mixtral, Qwen2-MoE with its shared expert,
+    whose gate, like every router, is no target. Engine and peft on the same adapter agree."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+
+    from treadle.engine.checkpoints import read_adapter
+    from treadle.engine.lora import AdapterBank
+
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+    )  # fmt: skip
+    config = (
+        MixtralConfig(num_local_experts=4, **common)
+        if family == "mixtral"
+        else Qwen2MoeConfig(
+            num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, **common
+        )
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval().requires_grad_(False)
+    bank = AdapterBank(model)
+    assert len(bank.experts) == 4  # gate_up_proj and down_proj of both layers
+    gates = [n for n, _ in model.named_modules() if n.endswith(("gate", "router"))]
+    assert gates and not set(gates) & set(bank.targets)
+    lora = LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    spec, weights, scales = read_adapter(tmp_path / "adapter", bank)
+    bank.add("a", spec, weights, scales)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), bank.rows(["a", "a"]):
+        ours = model(input_ids=ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(ours, peft_model(input_ids=ids).logits, rtol=1e-5, atol=2e-5)
+
+
 def test_fresh_adapter_equals_plain_transformers(moe_engine, moe_plain, moe_datum, helpers, new_id):
     aid = new_id()
     moe_engine.create_adapter(aid, LoraSpec(rank=4, seed=1))
@@ -126,6 +169,48 @@ def test_expert_lora_equals_peft_target_parameters(
         base = _logits(moe_engine, [None] * 3, ids)
     assert (ours - base).abs().max() > 0.1  # the experts' update really changes the output
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-5)
+    moe_engine.drop_adapter(aid)
+
+
+def test_expert_lora_gradients_equal_peft(moe_dir, moe_engine, moe_datum, new_id, tmp_path):
+    """The same adapter in peft and in the engine, the same weighted cross-entropy: the
+    gradients of every expert's A and B agree (peft's lora_A (r*E, in) and lora_B
+    (out, r*E) hold expert e's rows e*r.. and columns j*E + e)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    names = ["gate_up_proj", "down_proj"]
+    config = LoraConfig(
+        r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+        target_parameters=[f"mlp.experts.{n}" for n in names],
+    )  # fmt: skip
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe_dir), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.2)
+    peft_model.save_pretrained(tmp_path)
+    aid = new_id()
+    moe_engine.load_adapter(aid, tmp_path)
+    data = [moe_datum(T, seed=T) for T in (SLIDING_WINDOW + 5, 6)]
+    moe_engine.forward_backward([TrainBatch(aid, data)])
+    for d in data:  # the engine's loss: -sum(weights * logprobs of the targets)
+        logp = peft_model(input_ids=torch.as_tensor(d.tokens)[None]).logits[0].log_softmax(-1)
+        targets = torch.as_tensor(d.loss_inputs["target_tokens"])[:, None]
+        w = torch.as_tensor(d.loss_inputs["weights"])
+        (-(logp.gather(-1, targets)[:, 0] * w).sum()).backward()
+    params = dict(peft_model.named_parameters())
+    E = moe_engine.bank.experts["model.layers.0.mlp.experts.down_proj"].num_experts
+    for path, pair in moe_engine.bank.live(aid).layers.items():
+        module, name = path.rsplit(".", 1)
+        nest = ".base_layer" if name == "gate_up_proj" else ""  # peft wraps gate_up first
+        grad_a = params[f"base_model.model.{module}{nest}.lora_A.default.weight"].grad
+        grad_b = params[f"base_model.model.{module}{nest}.lora_B.default.weight"].grad
+        want_a = grad_a.reshape(E, -1, grad_a.shape[1])  # (E, r, in)
+        want_b = grad_b.reshape(grad_b.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
+        _close([pair.A.grad, pair.B.grad], [want_a, want_b])
+        assert pair.A.grad.abs().max() > 0 and pair.B.grad.abs().max() > 0
     moe_engine.drop_adapter(aid)
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treadle.engine.decode import joinable
-from treadle.engine.tiny import SLIDING_WINDOW
+from treadle.engine.tiny import SLIDING_WINDOW, make_tiny_model
 from treadle.engine.types import (
     AdamSpec,
     LoraSpec,
@@ -244,15 +244,13 @@ def _mxfp4_folder(src, dst) -> None:
     (dst / "config.json").write_text(json.dumps(config))
 
 
-def test_gpt_oss_mxfp4_folder_serves_with_lora_on_its_experts(moe_dir, tmp_path):
+def test_gpt_oss_mxfp4_folder_serves_with_lora_on_its_experts(tmp_path):
     from transformers import AutoModelForCausalLM, Mxfp4Config
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from treadle.engine import Engine
 
-    if json.loads((moe_dir / "config.json").read_text())["model_type"] != "gpt_oss":
-        pytest.skip("MXFP4 is gpt-oss's format")
-    _mxfp4_folder(moe_dir, tmp_path / "mxfp4")
+    _mxfp4_folder(make_tiny_model(tmp_path / "dense", arch="gpt_oss"), tmp_path / "mxfp4")
     engine = Engine(tmp_path / "mxfp4")
     experts = engine.model.model.layers[0].mlp.experts
     packed = load_file(tmp_path / "mxfp4" / "model.safetensors")

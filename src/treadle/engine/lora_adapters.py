@@ -21,6 +21,8 @@ from treadle.errors import InvalidRequestError
 ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"
 _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "feed_forward", "ffn")
+# linear layers that score experts rather than transform tokens (gate_proj is not one)
+_GATE_LEAVES = ("gate", "router")
 
 
 @dataclass
@@ -63,6 +65,8 @@ def classify_linear_modules(model: nn.Module) -> dict[str, str]:
 
     Attention and MLP projections are recognised by a parent named like `self_attn` / `mlp`,
     which covers Llama, Qwen, Mistral and Gemma; the unembedding is get_output_embeddings().
+    A mixture-of-experts model's routing gates are no targets (its experts' fused weights
+    are, see treadle.engine.lora_experts).
     """
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found: dict[str, str] = {}
@@ -72,7 +76,9 @@ def classify_linear_modules(model: nn.Module) -> dict[str, str]:
         if module is out_emb:
             found[name] = UNEMBED
             continue
-        parents = name.split(".")[:-1]
+        parents, leaf = name.split(".")[:-1], name.rsplit(".", 1)[-1]
+        if leaf.endswith(_GATE_LEAVES):  # a MoE gate (Qwen2-MoE's shared_expert_gate) stays frozen
+            continue
         if any(any(p in part for p in _ATTN_PARTS) for part in parents):
             found[name] = ATTN
         elif any(any(p in part for p in _MLP_PARTS) for part in parents):

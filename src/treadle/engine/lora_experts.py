@@ -6,14 +6,15 @@ transformers 5 keeps a MoE layer's experts as fused 3-D parameters of one module
 expert e of such a parameter its own A_e (r, in) and B_e (out, r) and computes with
 W_e + scale * B_e A_e; a LoraPair here holds them stacked, A (E, r, in) and B (E, out, r),
 with the same scale, so expert e of a token computes W_e x + scale * B_e (A_e x). The
-router is never a target: it stays the base's.
+router is never a target: its weights stay the base's.
 
 Routing. The bank replaces the experts module's forward (as it does an nn.Linear's) with
 routed_experts, which reads the rows() route: every (token, chosen expert) pair is sorted by
-expert, then by the adapter of the token's row, and each expert runs its base matmul once
-for all of its pairs and each adapter's update on that adapter's pairs only, forward and
-backward (autograd through _LoraDelta). A pair never meets another adapter's weights, and
-rows without a LoRA on this parameter add an exact zero.
+expert, then by the adapter of the token's row; each projection runs each expert's base
+matmul once for all of its pairs, then each adapter's update on that adapter's pairs of each
+expert only (_ExpertsDelta: one autograd node per projection, forward and backward). A pair
+never meets another adapter's weights, and rows without a LoRA there add an exact zero.
+The gate (gpt-oss's clamped SwiGLU, or act(gate) * up) is the module's own _apply_gate.
 
 One more isolation detail. Which pairs share an expert's base matmul depends on where the
 other rows' tokens are routed (a NaN row routes anywhere). This machine's BLAS sums a row of
@@ -26,13 +27,13 @@ tiling from the shape, so there a row's rounding, never its values, may depend o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from treadle.engine.lora_adapters import LoraPair
-from treadle.engine.lora_kernels import _LoraDelta
 from treadle.engine.lora_routing import _Route
 
 # the fused expert weights LoRA may target
@@ -121,20 +122,12 @@ def from_peft(
 
 
 # ---- the routed forward ----
-@dataclass
-class _Units:
-    """One adapter's update of one parameter, unbound per expert for this call."""
+class _Plan(NamedTuple):
+    """Where the sorted (token, expert) pairs of one call lie: each expert's rows, and within
+    them each adapter slot's rows."""
 
-    A: tuple[torch.Tensor, ...]  # E x (r, in)
-    B: tuple[torch.Tensor, ...]  # E x (out, r)
-    scale: float
-
-
-def _units(pair: LoraPair | None) -> _Units | None:
-    if pair is None:
-        return None
-    # unbind once per call: autograd then stacks each expert's gradient once, not per expert
-    return _Units(pair.A.unbind(0), pair.B.unbind(0), pair.scale)
+    experts: list[tuple[int, int, int]]  # (expert, first row, rows), experts with rows
+    spans: list[tuple[int, int, int, int]]  # (expert, slot, first row, rows), rows > 0
 
 
 def routed_experts(
@@ -148,7 +141,7 @@ def routed_experts(
     """The experts' output (N, H) of tokens x (N, H) that chose top_k_index (N, k) with
     top_k_weights (N, k), each token's experts updated by its own adapter: token t's adapter
     is slot token_slots[t] (None: all slot 0), whose pairs slot_pairs[s] maps by parameter
-    name ({} or None values: no LoRA there)."""
+    name (missing or None: no LoRA there)."""
     N, k = top_k_index.shape
     E, n_slots = module.num_experts, len(slot_pairs)
     expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k
@@ -156,24 +149,25 @@ def routed_experts(
     if n_slots > 1:
         key = expert_ids * n_slots + token_slots.repeat_interleave(k)  # (S,)
     order = torch.argsort(key, stable=True)  # (S,) pairs by expert, then adapter
-    counts = torch.bincount(key, minlength=E * n_slots).view(E, n_slots).tolist()
-    xs = x.index_select(0, order // k)  # (S, H)
-    names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
-    units = [{n: _units(pairs.get(n)) for n in names} for pairs in slot_pairs]
-    ys, start = [], 0
+    counts = torch.bincount(key, minlength=E * n_slots).tolist()  # the one host sync
+    experts, spans, row = [], [], 0
     for e in range(E):
-        sizes = counts[e]
-        n = sum(sizes)
-        if n == 0:
-            continue
-        h = _project(module, names[0], e, xs[start : start + n], sizes, units)  # (n, 2I)
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # (n, I)
-        y = _project(module, names[1], e, h, sizes, units)  # (n, H)
-        if getattr(module, "has_post_expert_norm", False):
-            y = module.post_expert_norm(y)
-        ys.append(y)
-        start += n
-    y = torch.cat(ys)  # (S, H), sorted
+        first = row
+        for slot in range(n_slots):
+            n = counts[e * n_slots + slot]
+            if n:
+                spans.append((e, slot, row, n))
+                row += n
+        if row > first:
+            experts.append((e, first, row - first))
+    plan = _Plan(experts, spans)
+    xs = x.index_select(0, order // k)  # (S, H), sorted
+    first, second = ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+    h = _project(module, first, xs, plan, [p.get(first) for p in slot_pairs])  # (S, 2I)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # (S, I)
+    y = _project(module, second, h, plan, [p.get(second) for p in slot_pairs])  # (S, H)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -182,44 +176,79 @@ def routed_experts(
 
 
 def _project(
-    module: nn.Module,
-    name: str,
-    e: int,
-    x: torch.Tensor,
-    sizes: list[int],
-    units: list[dict[str, _Units | None]],
+    module: nn.Module, name: str, x: torch.Tensor, plan: _Plan, pairs: list[LoraPair | None]
 ) -> torch.Tensor:
-    """Expert e's projection `name` of its pairs x (n, in), sorted by adapter slot
-    (sizes[s] pairs of slot s): the base matmul once, each slot's own update on its rows."""
-    W = getattr(module, name)[e]  # (in, out) if transposed else (out, in)
-    n = x.shape[0]
-    xp = x if n >= MIN_ROWS else torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-    out = (xp @ W if module.is_transposed else F.linear(xp, W))[:n]  # (n, out)
-    if module.has_bias:
-        out = out + getattr(module, f"{name}_bias")[e]
-    pieces: list[torch.Tensor | None] = []
-    start = 0
-    for s, size in enumerate(sizes):
-        if size == 0:
-            continue
-        u = units[s][name]
-        if u is None:
-            pieces.append(None)
-        else:  # in the adapter's dtype, as the nn.Linear path (_delta)
-            piece = x[start : start + size].to(u.A[e].dtype)
-            pieces.append(_LoraDelta.apply(piece, u.A[e], u.B[e], u.scale))  # (size, out)
-        start += size
-    real = next((p for p in pieces if p is not None), None)
-    if real is None:
+    """Projection `name` of the sorted pairs x (S, in): each expert's base matmul on its
+    rows, then each adapter's update on its own rows of each expert (_ExpertsDelta)."""
+    W = getattr(module, name)  # (E, in, out) if transposed else (E, out, in)
+    bias = getattr(module, f"{name}_bias") if module.has_bias else None
+    pieces = []
+    for e, first, n in plan.experts:
+        xe = x[first : first + n]  # (n, in)
+        if n < MIN_ROWS:  # see the module docstring
+            xe = torch.cat([xe, xe.new_zeros(MIN_ROWS - n, xe.shape[1])])
+        out = (xe @ W[e] if module.is_transposed else F.linear(xe, W[e]))[:n]  # (n, out)
+        pieces.append(out if bias is None else out + bias[e])
+    base = torch.cat(pieces)  # (S, out)
+    used = sorted({slot for _, slot, _, _ in plan.spans if pairs[slot] is not None})
+    if not used:
+        return base
+    index = {slot: i for i, slot in enumerate(used)}
+    spans = tuple(
+        (e, index[slot], first, n, pairs[slot].scale)
+        for e, slot, first, n in plan.spans
+        if pairs[slot] is not None
+    )
+    weights = [t for slot in used for t in (pairs[slot].A, pairs[slot].B)]
+    delta = _ExpertsDelta.apply(x, spans, *weights)  # (S, out), in the adapters' dtype
+    return (base + delta).to(base.dtype)
+
+
+class _ExpertsDelta(torch.autograd.Function):
+    """scale * B[e] (A[e] x) of every span (expert e, adapter j, rows) of x (S, in), an exact
+    zero on rows of no span: (S, out), in the adapters' dtype (x cast to it, as _delta does).
+    `weights` holds each adapter's A (E, r, in) and B (E, out, r); a span only ever meets its
+    own adapter's. One autograd node for all spans of a projection: a Python loop of small
+    matmuls, without an autograd call per span."""
+
+    @staticmethod
+    def forward(ctx, x, spans, *weights):
+        xd = x.to(weights[0].dtype)  # (S, in)
+        out = xd.new_zeros(x.shape[0], weights[1].shape[1])  # (S, out)
+        hs = []
+        for e, j, first, n, scale in spans:
+            A, B = weights[2 * j][e], weights[2 * j + 1][e]  # (r, in), (out, r)
+            h = (xd[first : first + n] @ A.t()).mul_(scale)  # (n, r)
+            torch.mm(h, B.t(), out=out[first : first + n])
+            hs.append(h)
+        ctx.save_for_backward(xd, *weights, *hs)
+        ctx.spans, ctx.n_weights, ctx.x_dtype = spans, len(weights), x.dtype
         return out
-    if len(pieces) > 1:  # rows without a LoRA here add an exact zero
-        sized = [s for s in sizes if s]
-        pieces = [
-            p if p is not None else real.new_zeros(m, real.shape[1])
-            for p, m in zip(pieces, sized, strict=True)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        xd, *rest = ctx.saved_tensors
+        weights, hs = rest[: ctx.n_weights], rest[ctx.n_weights :]
+        need_x = ctx.needs_input_grad[0]
+        dy = dy.to(xd.dtype)  # (S, out)
+        dx = torch.zeros_like(xd) if need_x else None  # (S, in)
+        grads = [
+            torch.zeros_like(w) if ctx.needs_input_grad[2 + i] else None
+            for i, w in enumerate(weights)
         ]
-    delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # (n, out)
-    return (out + delta).to(out.dtype)
+        for (e, j, first, n, scale), h in zip(ctx.spans, hs, strict=True):
+            A, B = weights[2 * j][e], weights[2 * j + 1][e]  # (r, in), (out, r)
+            dyk = dy[first : first + n]  # (n, out)
+            if grads[2 * j + 1] is not None:
+                grads[2 * j + 1][e] = (h.t() @ dyk).t()  # (out, r)
+            dh = (dyk @ B).mul_(scale)  # (n, r)
+            if grads[2 * j] is not None:
+                grads[2 * j][e] = dh.t() @ xd[first : first + n]  # (r, in)
+            if need_x:
+                torch.mm(dh, A, out=dx[first : first + n])  # (n, in)
+        dx = None if dx is None else dx.to(ctx.x_dtype)
+        return dx, None, *grads
 
 
 def expert_route(

@@ -33,11 +33,15 @@ output; a fresh adapter (B = 0) is the base. Inside one rows() context under no_
 layer's grouped weights are built once and reused across calls: do not change adapter
 weights in place inside such a context.
 
+A mixture-of-experts model's fused expert weights (3-D `gate_up_proj` / `down_proj`) are
+targets too, one low-rank update per expert, routed per row the same way through the experts
+module's forward (lora_experts).
+
 This module holds the bank (adapters, snapshots, the routing and the layer forward it
 installs); the pieces it uses live beside it, and their public names are importable from
 here too: lora_adapters (Adapter, LoraPair, the target classes and the finiteness checks),
 lora_kernels (the single-adapter path: fused autograd functions, the merge rule),
-lora_routing (the multi-adapter paths: segmented and grouped).
+lora_routing (the multi-adapter paths: segmented and grouped), lora_experts (MoE experts).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from treadle.engine.lora_adapters import (
     unsafe_layer,
 )
 from treadle.engine.lora_adapters import tensor_peaks as tensor_peaks  # re-exported
-from treadle.engine.lora_experts import expert_route, find_expert_params, routed_experts
+from treadle.engine.lora_experts import find_expert_params, install_routed_experts
 from treadle.engine.lora_kernels import (
     DECODE_MAX_TOKENS,
     _delta,
@@ -335,21 +339,10 @@ class AdapterBank:
         self._hooked[path] = module
 
     def _hook_experts(self, path: str) -> None:
-        """The experts module's forward: routed_experts inside rows(), else its own."""
-        if path in self._hooked:
-            return
-        module = self.modules[path]
-        base_forward = type(module).forward
-
-        def forward(module: nn.Module, x, top_k_index, top_k_weights):
-            route = self._route
-            if route is None:
-                return base_forward(module, x, top_k_index, top_k_weights)
-            slot_pairs, token_slots = expert_route(route, path, x)
-            return routed_experts(module, x, top_k_index, top_k_weights, slot_pairs, token_slots)
-
-        module.forward = types.MethodType(forward, module)  # as for nn.Linear, see _hook
-        self._hooked[path] = module
+        if path not in self._hooked:
+            self._hooked[path] = install_routed_experts(
+                self.modules[path], path, lambda: self._route
+            )
 
     def _merges(self, module: nn.Linear, pair: LoraPair, x: torch.Tensor) -> bool:
         if not self.merge_when_cheaper or x.shape[1] <= DECODE_MAX_TOKENS:

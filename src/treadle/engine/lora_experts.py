@@ -26,6 +26,8 @@ tiling from the shape, so there a row's rounding, never its values, may depend o
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -277,3 +279,22 @@ def expert_route(
         slots = per_row.repeat_interleave(n_tokens // route.n_rows)  # (N,)
         route.cache[("experts", n_tokens)] = slots
     return [pairs(adapter) for adapter, _ in route.segments], slots
+
+
+def install_routed_experts(
+    module: nn.Module, path: str, route: Callable[[], _Route | None]
+) -> nn.Module:
+    """Give an experts module the bank's forward: routed_experts while route() is set (inside
+    rows()), its own forward otherwise. An instance-level forward, as the bank's nn.Linear
+    forward (AdapterBank._hook); deleting it restores the class's."""
+    base_forward = type(module).forward
+
+    def forward(module: nn.Module, x, top_k_index, top_k_weights):
+        current = route()
+        if current is None:
+            return base_forward(module, x, top_k_index, top_k_weights)
+        slot_pairs, token_slots = expert_route(current, path, x)
+        return routed_experts(module, x, top_k_index, top_k_weights, slot_pairs, token_slots)
+
+    module.forward = types.MethodType(forward, module)
+    return module

@@ -1,5 +1,5 @@
 """Mixture-of-experts bases served like dense ones: sampling with per-row adapters (past
-gpt-oss's sliding window), sampler/trainer agreement, the decode batch, exports checked by
+gpt-oss's sliding window), sampler/trainer agreement, continuous batching, exports checked by
 their consumers (peft with target_parameters, plain transformers) and save_state / resume,
 on both tiny architectures (moe_dir); and gpt-oss's released MXFP4 format.
 
@@ -50,8 +50,13 @@ def adapters(moe_engine):
 
 
 def _prompts(engine) -> list[list[int]]:
+    """Three prompts shorter than the sliding window, and one longer: its prefill already
+    drops slots from the sliding layers' cache."""
     texts = ["Question: Ana has 3 apples. He buys 2 more. How many", "Hi", "Max has 12 coins."]
-    return [engine.tokenizer.encode(t) for t in texts]
+    long = torch.randint(
+        0, engine.vocab_size, (2 * SLIDING_WINDOW + 3,), generator=torch.Generator().manual_seed(9)
+    )
+    return [engine.tokenizer.encode(t) for t in texts] + [long.tolist()]
 
 
 def _req(prompt, adapter, n=1, **params) -> SampleRequest:
@@ -91,6 +96,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(moe_engine, adapters):
         _req(p[0], adapters[0], n=2, seed=1),
         _req(p[1], None, seed=2, temperature=0.7),
         _req(p[2], adapters[1], n=2, seed=3, top_p=0.9),
+        _req(p[3], adapters[0], seed=4),
     ]
     results = moe_engine.sample(reqs)
     for r, res in zip(reqs, results, strict=True):
@@ -114,6 +120,7 @@ def test_mixed_sampling_equals_each_request_alone(moe_engine, adapters):
         _req(p[1], adapters[1], seed=2, temperature=0),
         _req(p[2], None, seed=3, top_k=20),
         _req(p[1], adapters[0], seed=4, max_tokens=5),
+        _req(p[3], adapters[1], seed=5),
     ]
     together = moe_engine.sample(reqs)
     for r, res in zip(reqs, together, strict=True):
@@ -123,20 +130,18 @@ def test_mixed_sampling_equals_each_request_alone(moe_engine, adapters):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=ATOL, rtol=0)
 
 
-def test_decode_batch_joins_or_queues_by_cache_kind(moe_engine, adapters):
-    """Requests added while others decode: Qwen3-MoE's cache joins the running rows; gpt-oss's
-    sliding-window layers keep a cache that cannot be joined, so the newcomers wait for the
-    running cohort. Either way every request gets what it gets alone."""
+@pytest.mark.parametrize("late", [2, 3])  # a short prompt joins; a long one, past the window
+def test_requests_join_the_running_decode_batch(moe_engine, adapters, late):
+    """Requests added while others decode join the running rows (continuous batching), on
+    gpt-oss too: its sliding-window layers keep their whole cache while sampling, and the
+    mask does the windowing. Every request gets what it gets alone."""
     p = _prompts(moe_engine)
-    first, second = _req(p[0], adapters[0], n=2, seed=1), _req(p[2], adapters[1], seed=2)
+    first, second = _req(p[3], adapters[0], n=2, seed=1), _req(p[late], adapters[1], seed=2)
     batch = moe_engine.decode_batch()
     h1 = batch.add([first])[0]
-    done = dict(batch.step(max_steps=3))
+    done = dict(batch.step(max_steps=SLIDING_WINDOW // 2))
     h2 = batch.add([second])[0]
-    sliding = moe_engine.arch == "gpt_oss"
-    assert joinable(batch.cohort) is not sliding
-    assert len(batch.waiting) == (1 if sliding else 0)
-    assert batch.rows == 3
+    assert joinable(batch.cohort) and not batch.waiting and batch.rows == 3
     while len(batch):
         done |= dict(batch.step())
     for h, r in ((h1, first), (h2, second)):

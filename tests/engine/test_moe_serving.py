@@ -223,6 +223,35 @@ def test_state_roundtrip_continues_exactly(moe_engine, moe_datum, new_id, tmp_pa
     moe_engine.drop_adapter(resumed)
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("rows", "do not split into"),  # lora_A rows not a multiple of the experts
+        ("width", "expected"),  # lora_B of another output width
+        ("nesting", "not a LoRA weight of this model"),  # a third nested parameter
+    ],
+)
+def test_bad_expert_weights_are_refused_naming_them(moe_engine, adapters, tmp_path, change, match):
+    from treadle.errors import InvalidRequestError
+
+    moe_engine.save_adapter(adapters[1], tmp_path)
+    file = tmp_path / "adapter_model.safetensors"
+    weights = load_file(file)
+    key = "base_model.model.model.layers.0.mlp.experts.lora_"
+    if change == "rows":
+        weights[f"{key}A.weight"] = weights[f"{key}A.weight"][:-1]
+    elif change == "width":
+        weights[f"{key}B.weight"] = weights[f"{key}B.weight"][:-1]
+    else:
+        inner = "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.lora_A.weight"
+        weights[inner] = weights[f"{key}A.weight"].clone()
+    save_file(weights, file)
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        moe_engine.load_adapter("bad-experts", tmp_path)
+    assert "layers.0.mlp.experts" in str(err.value)
+    assert "bad-experts" not in moe_engine.bank
+
+
 # ---- gpt-oss as released: MXFP4 experts ----
 def _mxfp4_folder(src, dst) -> None:
     """src's gpt-oss folder with its experts stored as gpt-oss is released: MXFP4 blocks of 32

@@ -167,16 +167,12 @@ def read_adapter(
         if set(ab) != {"lora_A", "lora_B"}:
             raise InvalidRequestError(f"{ADAPTER_WEIGHTS}: module {path!r} lacks lora_A or lora_B")
         if path in bank.experts:  # peft's (r*E, in), (out, r*E): ours (E, r, in), (E, out, r)
+            E = bank.experts[path].num_experts
             try:
-                ab = dict(
-                    zip(
-                        ab,
-                        from_peft(ab["lora_A"], ab["lora_B"], bank.experts[path].num_experts),
-                        strict=True,
-                    )
-                )
+                a, b = from_peft(ab["lora_A"], ab["lora_B"], E)
             except ValueError as e:
                 raise InvalidRequestError(f"{ADAPTER_WEIGHTS}: {path!r}: {e}") from None
+            ab = {"lora_A": a, "lora_B": b}
         r = ab["lora_A"].shape[-2]
         alpha = float(cfg.get("lora_alpha", 8))
         for pattern, value in (cfg.get("alpha_pattern") or {}).items():

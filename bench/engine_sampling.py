@@ -1,4 +1,5 @@
-"""Sampling benchmark: treadle.engine.sample against HF `generate`, on the "small" tiny model.
+"""Sampling benchmark: treadle.engine.sample against HF `generate`, on the "small" tiny model
+(or the model of `bench/engine.py --model PATH` / `--arch ARCH`, through run(model=...)).
 
     python bench/engine_sampling.py            # 64 new tokens per row, 5 rounds
     python bench/engine_sampling.py --quick    # 16 new tokens per row, 2 rounds
@@ -198,11 +199,13 @@ def bench_shared_prefill(engine: Engine, prompt_len: int, rounds: int) -> dict[s
     return out
 
 
-def run(quick: bool = False) -> dict:
-    """All sampling figures as a dict of ratios (plus the settings they were measured with)."""
+def run(quick: bool = False, model: str | None = None) -> dict:
+    """All sampling figures as a dict of ratios (plus the settings they were measured with),
+    on `model` (a folder or .gguf file; bench/engine.py --model / --arch) or the small tiny
+    llama."""
     new_tokens, rounds, prompt_len = (16, 2, 128) if quick else (64, 5, 256)
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(make_tiny_model(tmp, arch="llama", size="small"))
+        engine = Engine(model or make_tiny_model(tmp, arch="llama", size="small"))
         result: dict = {"sampling_new_tokens": new_tokens, "sampling_rounds": rounds}
         # generate first, while no adapter hooks sit on the model's layers
         result |= bench_vs_generate(engine, new_tokens, rounds)

@@ -105,3 +105,66 @@ def helpers():
     h.perturb = perturb
     h.plain_logprobs = plain_logprobs
     return h
+
+
+# ---- mixture-of-experts bases: every MoE test runs on both tiny architectures ----
+MOE_ARCHS = ("gpt_oss", "qwen3_moe")
+
+
+def sharpen_moe(model, seed: int = 0) -> None:
+    """Confident, varied random weights (HF's init makes a near-uniform model and router):
+    every matrix, each expert's included, drawn with variance 1 / fan-in, so the router
+    picks its experts by clear margins and greedy decoding says something."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            for p in module.parameters(recurse=False):
+                if p.ndim == 2 and "embed" not in path:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+                elif p.ndim == 3:  # (E, in, out) when the experts are transposed, else (E, out, in)
+                    fan_in = p.shape[1] if getattr(module, "is_transposed", False) else p.shape[2]
+                    p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.randn(emb.shape, generator=gen) * 0.1)
+
+
+@pytest.fixture(scope="session", params=MOE_ARCHS)
+def moe_dir(request, tmp_path_factory) -> Path:
+    """A tiny MoE folder (make-tiny-model, then sharpened weights saved in place)."""
+    from transformers import AutoModelForCausalLM
+
+    from treadle.engine.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("moe") / request.param, arch=request.param)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    sharpen_moe(model)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def moe_engine(moe_dir: Path):
+    from treadle.engine import Engine
+
+    return Engine(moe_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_plain(moe_dir: Path):
+    """The MoE base in plain transformers, its own experts implementation: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(moe_dir).eval().requires_grad_(False)
+
+
+@pytest.fixture
+def moe_datum(moe_engine):
+    """A random next-token datum of length T of the MoE model's vocabulary, weights in [0, 1)."""
+
+    def make(T: int, seed: int) -> TrainDatum:
+        rng = np.random.default_rng(seed)
+        seq = rng.integers(0, moe_engine.vocab_size, T + 1)
+        w = rng.random(T).astype(np.float32)
+        return TrainDatum(seq[:-1], {"target_tokens": seq[1:], "weights": w})
+
+    return make

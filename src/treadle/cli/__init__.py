@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build a small random model folder offline")
     p.add_argument("dir")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen3", "gpt_oss", "qwen3_moe"])
     p.add_argument("--size", default="tiny", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny_model)

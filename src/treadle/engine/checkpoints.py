@@ -4,6 +4,9 @@
   (base_model.model.<module path>.lora_A.weight / lora_B.weight), so that
   peft.PeftModel.from_pretrained(base, dir) gives the engine's logprobs. Also read back,
   which imports adapters trained elsewhere (rank_pattern, alpha_pattern, rslora included).
+  A MoE model's fused expert weights are peft `target_parameters`: their keys name the
+  experts module, one `.base_layer` deeper per targeted parameter registered after it
+  (peft nests one ParamWrapper per parameter), in peft's (r*E, in) / (out, r*E) layout.
 - Merged model: a plain HF folder with W + scale * B A folded in; tokenizer files copied
   (from a GGUF base: its tokenizer written with save_pretrained).
 - Training state: the PEFT adapter + AdamW state (optimizer.pt) + step (treadle_state.json);
@@ -25,6 +28,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from treadle.engine.lora import Adapter, AdapterBank
+from treadle.engine.lora_experts import (
+    delta_weight,
+    expert_modules,
+    find_expert_params,
+    from_peft,
+    to_peft,
+)
 from treadle.engine.models import load_tokenizer, model_source
 from treadle.engine.optim import check_optimizer_state, optimizer_of
 from treadle.engine.types import LoraSpec
@@ -37,7 +47,9 @@ OPTIMIZER = "optimizer.pt"
 STATE = "treadle_state.json"
 GRADS = "gradients.safetensors"
 PREFIX = "base_model.model."
-_KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.(.+?)((?:\.base_layer)*)\.(lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
+)
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
 
 
@@ -48,14 +60,17 @@ def save_adapter(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ranks = {path: pair.A.shape[0] for path, pair in adapter.layers.items()}
+    experts = [p for p in adapter.layers if p in bank.experts]
+    linear = [p for p in adapter.layers if p not in bank.experts]
+    ranks = {path: pair.rank for path, pair in adapter.layers.items()}
     alphas = {path: pair.scale * ranks[path] for path, pair in adapter.layers.items()}
     r = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
-        target_modules=_target_modules(bank.model, list(adapter.layers)),
+        target_modules=_target_modules(bank.model, linear) if linear else [],
+        target_parameters=_target_parameters(bank, experts) or None,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -66,9 +81,14 @@ def save_adapter(bank: AdapterBank, adapter: Adapter, out_dir: str | Path, base_
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(out))
     tensors = {}
-    for path, pair in adapter.layers.items():
+    for path in linear:
+        pair = adapter.layers[path]
         tensors[f"{PREFIX}{path}.lora_A.weight"] = pair.A.detach().cpu().contiguous()
         tensors[f"{PREFIX}{path}.lora_B.weight"] = pair.B.detach().cpu().contiguous()
+    for path, key in _expert_keys(bank, experts).items():
+        lora_a, lora_b = to_peft(adapter.layers[path])
+        tensors[f"{key}.lora_A.weight"] = lora_a.cpu()
+        tensors[f"{key}.lora_B.weight"] = lora_b.cpu()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / TREADLE_META).write_text(json.dumps({"spec": asdict(adapter.spec)}, indent=2))
 
@@ -84,6 +104,35 @@ def _target_modules(model: nn.Module, paths: list[str]) -> list[str] | str:
     if matched == set(paths):
         return leaves
     return "^(" + "|".join(re.escape(p) for p in sorted(paths)) + ")$"
+
+
+def _target_parameters(bank: AdapterBank, paths: list[str]) -> list[str]:
+    """peft target_parameters for these expert weights: `mlp.experts.gate_up_proj`-like
+    suffixes where they select exactly these, else the full paths (matched as equal)."""
+    suffixes = sorted({".".join(p.split(".")[-3:]) for p in paths})
+    matched = {q for q in bank.experts if any(q.endswith(f".{s}") for s in suffixes)}
+    return suffixes if matched == set(paths) else sorted(paths)
+
+
+def _expert_keys(bank: AdapterBank, paths: list[str]) -> dict[str, str]:
+    """Expert weight path -> its key prefix in the adapter file (see the module docstring)."""
+    keys: dict[str, str] = {}
+    for module, params in expert_modules(bank.experts).items():
+        targeted = [p for p in params if p in paths]
+        for i, path in enumerate(targeted):
+            keys[path] = PREFIX + module + ".base_layer" * (len(targeted) - 1 - i)
+    return keys
+
+
+def _expert_path(bank: AdapterBank, cfg: dict, module: str, depth: int) -> str | None:
+    """The expert weight a key `module(.base_layer)*depth` names, from the config's
+    target_parameters (None: module is no experts module, or depth names nothing)."""
+    wanted = cfg.get("target_parameters") or []
+    params = expert_modules(bank.experts).get(module, [])
+    targeted = [p for p in params if any(p == t or p.endswith(f".{t}") for t in wanted)]
+    if depth >= len(targeted):
+        return None
+    return targeted[len(targeted) - 1 - depth]
 
 
 def read_adapter(
@@ -102,18 +151,29 @@ def read_adapter(
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
         m = _KEY.match(key)
-        if m is None:
+        path = None if m is None else m.group(1)
+        if m is not None and (m.group(2) or path in expert_modules(bank.experts)):
+            path = _expert_path(bank, cfg, path, m.group(2).count(".base_layer"))
+        if path is None:
             raise InvalidRequestError(
-                f"{ADAPTER_WEIGHTS} key {key!r} is not a LoRA linear weight; expected "
-                f"'{PREFIX}<module>.lora_A.weight' or '.lora_B.weight'"
+                f"{ADAPTER_WEIGHTS} key {key!r} is not a LoRA weight of this model; expected "
+                f"'{PREFIX}<module>.lora_A.weight' or '.lora_B.weight' (for an experts module "
+                "targeted by target_parameters, with one '.base_layer' per nested parameter)"
             )
-        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
+        pairs.setdefault(path, {})[m.group(3)] = tensor
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     scales: dict[str, float] = {}
     for path, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise InvalidRequestError(f"{ADAPTER_WEIGHTS}: module {path!r} lacks lora_A or lora_B")
-        r = ab["lora_A"].shape[0]
+        if path in bank.experts:  # peft's (r*E, in), (out, r*E): ours (E, r, in), (E, out, r)
+            E = bank.experts[path].num_experts
+            try:
+                a, b = from_peft(ab["lora_A"], ab["lora_B"], E)
+            except ValueError as e:
+                raise InvalidRequestError(f"{ADAPTER_WEIGHTS}: {path!r}: {e}") from None
+            ab = {"lora_A": a, "lora_B": b}
+        r = ab["lora_A"].shape[-2]
         alpha = float(cfg.get("lora_alpha", 8))
         for pattern, value in (cfg.get("alpha_pattern") or {}).items():
             if re.match(rf"(.*\.)?({pattern})$", path):
@@ -152,7 +212,7 @@ def _spec_of(folder: Path, cfg: dict, weights: dict, bank: AdapterBank) -> LoraS
     if meta.is_file():
         return LoraSpec(**json.loads(meta.read_text())["spec"])
     kinds = {bank.targets.get(path) for path in weights}
-    rank = int(cfg.get("r", next(iter(weights.values()))[0].shape[0]))
+    rank = int(cfg.get("r", next(iter(weights.values()))[0].shape[-2]))
     return LoraSpec(
         rank=rank,
         alpha=float(cfg.get("lora_alpha", rank)),
@@ -173,11 +233,16 @@ def save_merged(model: nn.Module, adapter: Adapter, out_dir: str | Path, model_d
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    experts = find_expert_params(model)
     state = dict(model.state_dict())
     for path, pair in adapter.layers.items():
-        W = state[f"{path}.weight"]  # (out, in)
-        delta = (pair.B.detach().float() @ pair.A.detach().float()) * pair.scale  # (out, in)
-        state[f"{path}.weight"] = (W.float() + delta.to(W.device)).to(W.dtype)
+        if path in experts:  # a fused expert weight: its own key, one update per expert
+            key, delta = path, delta_weight(pair, experts[path])
+        else:
+            key = f"{path}.weight"  # (out, in)
+            delta = (pair.B.detach().float() @ pair.A.detach().float()) * pair.scale
+        W = state[key]
+        state[key] = (W.float() + delta.to(W.device)).to(W.dtype)
     out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
     head = next((p for p, m in model.named_modules() if m is out_emb), None)
     untie = (

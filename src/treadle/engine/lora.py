@@ -33,11 +33,15 @@ output; a fresh adapter (B = 0) is the base. Inside one rows() context under no_
 layer's grouped weights are built once and reused across calls: do not change adapter
 weights in place inside such a context.
 
+A mixture-of-experts model's fused expert weights (3-D `gate_up_proj` / `down_proj`) are
+targets too, one low-rank update per expert, routed per row the same way through the experts
+module's forward (lora_experts).
+
 This module holds the bank (adapters, snapshots, the routing and the layer forward it
 installs); the pieces it uses live beside it, and their public names are importable from
 here too: lora_adapters (Adapter, LoraPair, the target classes and the finiteness checks),
 lora_kernels (the single-adapter path: fused autograd functions, the merge rule),
-lora_routing (the multi-adapter paths: segmented and grouped).
+lora_routing (the multi-adapter paths: segmented and grouped), lora_experts (MoE experts).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from treadle.engine.lora_adapters import (
     unsafe_layer,
 )
 from treadle.engine.lora_adapters import tensor_peaks as tensor_peaks  # re-exported
+from treadle.engine.lora_experts import find_expert_params, install_routed_experts
 from treadle.engine.lora_kernels import (
     DECODE_MAX_TOKENS,
     _delta,
@@ -95,10 +100,13 @@ class AdapterBank:
         # False keeps every single-adapter call on the low-rank product (the reference path)
         self.merge_when_cheaper = merge_when_cheaper
         self.modules: dict[str, nn.Module] = dict(model.named_modules())
-        self.targets = classify_linear_modules(model)
+        # fused 3-D expert weights of MoE models (lora_experts): MLP targets, one update each
+        self.experts = find_expert_params(model)
+        linear = classify_linear_modules(model)
+        self.targets = dict(sorted((linear | dict.fromkeys(self.experts, MLP)).items()))
         self.adapters: dict[str, Adapter] = {}
         self.snapshots: dict[str, Adapter] = {}
-        self._hooked: dict[str, nn.Linear] = {}  # paths whose forward is ours
+        self._hooked: dict[str, nn.Module] = {}  # paths whose forward is ours
         self._route: _Route | None = None
         self.stacks = WeightStacks()  # _grouped's stacked adapter weights, across routes
 
@@ -140,10 +148,11 @@ class AdapterBank:
         gen = torch.Generator(device="cpu").manual_seed(int(spec.seed))
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path in paths:
-            lin = self.modules[path]
-            A = torch.empty(spec.rank, lin.in_features, dtype=self.param_dtype)  # (r, in)
-            init_lora_a(A, gen)
-            B = torch.zeros(lin.out_features, spec.rank, dtype=self.param_dtype)  # (out, r)
+            E, n_in, n_out = self._dims(path)
+            lead = () if E is None else (E,)  # an expert weight: one pair per expert
+            A = torch.empty(*lead, spec.rank, n_in, dtype=self.param_dtype)  # ([E,] r, in)
+            init_lora_a(A.view(-1, n_in), gen)  # fan-in `in`, as peft's (r*E, in) lora_A
+            B = torch.zeros(*lead, n_out, spec.rank, dtype=self.param_dtype)  # ([E,] out, r)
             weights[path] = (A, B)
         scale = spec.alpha / spec.rank
         return self.add(adapter_id, spec, weights, {p: scale for p in paths})
@@ -165,13 +174,13 @@ class AdapterBank:
         bound = self._full_rank(list(weights))
         for path in sorted(weights):
             A, B = weights[path]
-            lin = self._linear(path)
-            r = A.shape[0]
-            if tuple(A.shape) != (r, lin.in_features) or tuple(B.shape) != (lin.out_features, r):
+            E, n_in, n_out = self._dims(path)
+            lead = () if E is None else (E,)
+            r = A.shape[-2] if A.ndim >= 2 else 0
+            if tuple(A.shape) != (*lead, r, n_in) or tuple(B.shape) != (*lead, n_out, r):
                 raise InvalidRequestError(
                     f"lora weights of {path!r}: A has shape {tuple(A.shape)}, B "
-                    f"{tuple(B.shape)}, expected ({r}, {lin.in_features}) and "
-                    f"({lin.out_features}, {r})"
+                    f"{tuple(B.shape)}, expected {(*lead, r, n_in)} and {(*lead, n_out, r)}"
                 )
             if not 1 <= r <= bound:
                 raise InvalidRequestError(
@@ -276,6 +285,8 @@ class AdapterBank:
         return _Route(len(keys), None, segments, perm, inverse, slots, stacks=self.stacks)
 
     def _hook(self, path: str) -> None:
+        if path in self.experts:
+            return self._hook_experts(self.experts[path].module)
         if path in self._hooked:
             return
         module = self._linear(path)
@@ -327,6 +338,12 @@ class AdapterBank:
         module.forward = types.MethodType(forward, module)
         self._hooked[path] = module
 
+    def _hook_experts(self, path: str) -> None:
+        if path not in self._hooked:
+            self._hooked[path] = install_routed_experts(
+                self.modules[path], path, lambda: self._route
+            )
+
     def _merges(self, module: nn.Linear, pair: LoraPair, x: torch.Tensor) -> bool:
         if not self.merge_when_cheaper or x.shape[1] <= DECODE_MAX_TOKENS:
             return False
@@ -358,10 +375,17 @@ class AdapterBank:
             )
         return lin
 
+    def _dims(self, path: str) -> tuple[int | None, int, int]:
+        """(experts or None for an nn.Linear, in_features, out_features) of a target."""
+        if path in self.experts:
+            p = self.experts[path]
+            return p.num_experts, p.in_features, p.out_features
+        lin = self._linear(path)
+        return None, lin.in_features, lin.out_features
+
     def _full_rank(self, paths: list[str]) -> int:
         """The largest min(in_features, out_features) among these layers (0: none)."""
-        ranks = [min(self._linear(p).in_features, self._linear(p).out_features) for p in paths]
-        return max(ranks, default=0)
+        return max((min(self._dims(p)[1:]) for p in paths), default=0)
 
     def _check_free(self, key: str) -> None:
         if key in self:

@@ -21,15 +21,22 @@ from treadle.errors import InvalidRequestError
 ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"
 _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "feed_forward", "ffn")
+# linear layers that score experts rather than transform tokens (gate_proj is not one)
+_GATE_LEAVES = ("gate", "router")
 
 
 @dataclass
 class LoraPair:
-    """The update of one nn.Linear: W x + scale * B (A x)."""
+    """The update of one nn.Linear: W x + scale * B (A x); of a fused expert weight, one
+    such update per expert, stacked (treadle.engine.lora_experts)."""
 
-    A: torch.Tensor  # (r, in)
-    B: torch.Tensor  # (out, r)
+    A: torch.Tensor  # (r, in), or (E, r, in)
+    B: torch.Tensor  # (out, r), or (E, out, r)
     scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[-2]
 
 
 @dataclass
@@ -58,6 +65,8 @@ def classify_linear_modules(model: nn.Module) -> dict[str, str]:
 
     Attention and MLP projections are recognised by a parent named like `self_attn` / `mlp`,
     which covers Llama, Qwen, Mistral and Gemma; the unembedding is get_output_embeddings().
+    A mixture-of-experts model's routing gates are no targets (its experts' fused weights
+    are, see treadle.engine.lora_experts).
     """
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found: dict[str, str] = {}
@@ -67,7 +76,9 @@ def classify_linear_modules(model: nn.Module) -> dict[str, str]:
         if module is out_emb:
             found[name] = UNEMBED
             continue
-        parents = name.split(".")[:-1]
+        parents, leaf = name.split(".")[:-1], name.rsplit(".", 1)[-1]
+        if leaf.endswith(_GATE_LEAVES):  # a MoE gate (Qwen2-MoE's shared_expert_gate) stays frozen
+            continue
         if any(any(p in part for p in _ATTN_PARTS) for part in parents):
             found[name] = ATTN
         elif any(any(p in part for p in _MLP_PARTS) for part in parents):
@@ -91,16 +102,16 @@ def tensor_peaks(tensors: list[torch.Tensor]) -> list[float]:
 def unsafe_layer(layers: dict[str, LoraPair]) -> str | None:
     """The first layer whose A, B or update scale * B A may not be finite (None: all safe).
 
-    Every entry of the update is at most |scale| * rank * max|A| * max|B|; keeping that under
-    the adapter dtype's largest value keeps the update and the merged weight W + s B A of
-    the single-adapter path finite, not just A and B (after learning_rate 1e30 both are
-    still finite, around 1e30, while B A overflows).
+    Every entry of the update (of every expert) is at most |scale| * rank * max|A| * max|B|;
+    keeping that under the adapter dtype's largest value keeps the update and the merged
+    weight W + s B A of the single-adapter path finite, not just A and B (after
+    learning_rate 1e30 both are still finite, around 1e30, while B A overflows).
     """
     pairs = list(layers.items())
     peaks = tensor_peaks([t for _, pair in pairs for t in (pair.A, pair.B)])
     for i, (path, pair) in enumerate(pairs):
         a, b = peaks[2 * i], peaks[2 * i + 1]
-        bound = abs(pair.scale) * pair.A.shape[0] * a * b
+        bound = abs(pair.scale) * pair.rank * a * b
         if not (math.isfinite(bound) and bound <= torch.finfo(pair.A.dtype).max):
             return f"{path}: max |A| {a:.3g}, max |B| {b:.3g}, scale {pair.scale:.3g}"
     return None

@@ -8,13 +8,16 @@ A model path is one of
 - a `.gguf` file (llama.cpp's format), which holds config, weights, tokenizer and chat
   template: transformers (with the `gguf` package) dequantises it into a dense model;
 - a folder without config.json that holds exactly one `.gguf` file: that file.
-Everything loads offline (local_files_only).
+Everything loads offline (local_files_only). Dense and mixture-of-experts models alike; the
+weights LoRA targets must be dense, so a GGUF is dequantised, and so are MXFP4 experts (the
+format gpt-oss is released in: kept packed, they would have no fused weight to adapt).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -86,6 +89,18 @@ def _dense_weights() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
+def _dense_experts(folder: Path) -> dict:
+    """from_pretrained kwargs that load MXFP4-packed experts as dense weights (transformers
+    only dequantises them by itself where it lacks the kernels, as on a CPU)."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 def load_tokenizer(model_path: str | Path):
     """The tokenizer of a model folder or GGUF file, with its chat template."""
     from transformers import AutoTokenizer
@@ -103,7 +118,7 @@ def load_base_model(
     folder, gguf = model_source(model_dir)
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device)
-    kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else {})
+    kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else _dense_experts(folder))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     model.to(dev)
     model.eval()  # no dropout: training and sampling must see the same function

@@ -88,7 +88,7 @@ class DecodeBatch:
     """The requests being sampled on one engine, kept between engine calls.
 
     Only the engine's thread may call it. Rows usually share one cohort (one KV cache); a
-    model whose cache layers cannot be joined (sliding windows, linear attention) decodes
+    model whose cache layers cannot be joined (linear attention) decodes
     its cohorts one after the other instead.
     """
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treadle.engine.specs import validate_sample_request
 from treadle.engine.types import SampleRequest
@@ -231,8 +232,13 @@ class GrowingLayer(DynamicLayer):
 def preallocate(cache: Any, rows: torch.Tensor | None, capacity: int) -> None:
     """Swap each plain DynamicLayer of an HF cache for a GrowingLayer holding `rows` of it.
 
-    Other layer kinds (sliding windows, linear attention) keep their own update and are
-    only row-selected. `rows` None keeps every row.
+    A sliding-window layer (gpt-oss's, Mistral's) becomes a GrowingLayer too, its slots
+    before the window zeros: from here on it keeps every slot and the model's sliding mask
+    (built from the config, on slot distances, which left padding leaves equal to token
+    distances) does the windowing. Its cache is then as long as a full layer's, not the
+    window, but it joins other cohorts (continuous batching) instead of waiting for them.
+    Other layer kinds (linear attention) keep their own update and are only row-selected.
+    `rows` None keeps every row.
     """
     if cache is None:
         return
@@ -241,10 +247,14 @@ def preallocate(cache: Any, rows: torch.Tensor | None, capacity: int) -> None:
             cache.batch_select_indices(rows)
         return
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and layer.is_initialized:
-            k, v = layer.keys, layer.values
+        plain = type(layer) is DynamicLayer
+        if (plain or type(layer) is DynamicSlidingWindowLayer) and layer.is_initialized:
+            k, v = layer.keys, layer.values  # (B, H, L, D); a window's last slots only
             if rows is not None:
                 k, v = k.index_select(0, rows), v.index_select(0, rows)
+            dropped = layer.get_seq_length() - k.shape[2]  # slots the window let go
+            if dropped:
+                k, v = (F.pad(t, (0, 0, dropped, 0)) for t in (k, v))  # (B, H, L, D)
             cache.layers[i] = GrowingLayer(k, v, capacity)
         elif rows is not None:
             layer.batch_select_indices(rows)

@@ -1,5 +1,8 @@
 """Build a small real-architecture model folder offline: `treadle make-tiny-model DIR`.
 
+Dense (llama, qwen3) or mixture-of-experts (gpt_oss, qwen3_moe: a few experts with top-k
+routing, their weights fused in 3-D parameters as transformers 5 stores them; gpt_oss with
+its alternating sliding-window / full attention layers and attention sinks).
 Random weights, but everything else is what a Hugging Face model folder holds: config,
 safetensors, a byte-level BPE tokenizer trained here on generated text (arithmetic word
 problems in the GSM8K style and short chats), special tokens and a ChatML chat template.
@@ -7,6 +10,7 @@ Digits are split one per token, which arithmetic needs. Plain
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it.
 
     treadle make-tiny-model .models/tiny-llama --arch llama --size tiny
+    treadle make-tiny-model .models/tiny-gpt-oss --arch gpt_oss
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ SIZES = {
     "tiny": (128, 4, 4, 2, 512),
     "small": (384, 7, 6, 2, 1024),
 }
+# MoE models: (experts, experts per token, each expert's intermediate size); hidden size,
+# layers and heads as SIZES. gpt_oss's sliding window is short enough that the tests'
+# sequences cross it.
+MOE_SIZES = {
+    "tiny": (4, 2, 128),
+    "small": (8, 2, 256),
+}
+SLIDING_WINDOW = 16
+ARCHS = ("llama", "qwen3", "gpt_oss", "qwen3_moe")
 VOCAB_SIZE = 1024
 MAX_POSITIONS = 1024
 
@@ -109,8 +122,8 @@ def make_tiny_model(
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     out = Path(out_dir)
@@ -126,9 +139,8 @@ def make_tiny_model(
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
 
-    hidden, layers, heads, kv_heads, inter = SIZES[size]
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(IM_END)]
-    config = _config(arch, hidden, layers, heads, kv_heads, inter, len(tokenizer), eos_ids)
+    config = _config(arch, size, len(tokenizer), eos_ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = eos_ids
@@ -137,22 +149,55 @@ def make_tiny_model(
     return out
 
 
-def _config(arch, hidden, layers, heads, kv_heads, inter, vocab, eos_ids):
-    from transformers import LlamaConfig, Qwen3Config
+def _config(arch: str, size: str, vocab: int, eos_ids: list[int]):
+    from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+    hidden, layers, heads, kv_heads, inter = SIZES[size]
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos_ids,
         pad_token_id=eos_ids[0],
     )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    return Qwen3Config(head_dim=hidden // heads, **common)
+    if arch in ("llama", "qwen3"):
+        dense = dict(common, intermediate_size=inter, tie_word_embeddings=True)
+        if arch == "llama":
+            return LlamaConfig(**dense)
+        return Qwen3Config(head_dim=hidden // heads, **dense)
+    # MoE models keep their families' untied unembedding
+    experts, top_k, expert_inter = MOE_SIZES[size]
+    if arch == "gpt_oss":
+        return GptOssConfig(
+            intermediate_size=expert_inter,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            head_dim=hidden // heads,
+            sliding_window=SLIDING_WINDOW,
+            # gpt-oss's YaRN, scaled down to this context: 64 trained positions x 16
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": MAX_POSITIONS / 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+            **common,
+        )
+    return Qwen3MoeConfig(
+        intermediate_size=inter,
+        moe_intermediate_size=expert_inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B
+        head_dim=hidden // heads,
+        tie_word_embeddings=False,
+        **common,
+    )

@@ -87,7 +87,28 @@ SPEND_RELOAD_S = 5.0
 def default_engine_factory(name: str, model_dir: str, config: ServerConfig) -> Any:
     from treadle.engine.engine import Engine
 
-    return Engine(model_dir, dtype=config.dtype, device=config.device, model_name=name)
+    return Engine(
+        model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        model_name=name,
+        **engine_options(config),
+    )
+
+
+def engine_options(config: ServerConfig) -> dict[str, Any]:
+    """The Engine's memory settings and context length, from the config."""
+    from treadle.engine.memory import MemorySettings
+
+    def gib(v: float | None) -> int | None:
+        return None if v is None else int(v * (1 << 30))
+
+    memory = MemorySettings(
+        config.activation_checkpointing,
+        gib(config.memory_budget_gb),
+        gib(config.checkpoint_above_gb),
+    )
+    return {"memory": memory, "max_seq_len": config.max_context}
 
 
 def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None) -> FastAPI:

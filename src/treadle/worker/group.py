@@ -44,6 +44,7 @@ def run_group(config: ServerConfig, address: str, token: str, replica: int = -1)
 
     from treadle.engine import Engine
     from treadle.engine.distributed import DistributedEngine, init_group
+    from treadle.server.app import engine_options
     from treadle.worker.process import Worker
 
     _die_with_parent()
@@ -51,7 +52,9 @@ def run_group(config: ServerConfig, address: str, token: str, replica: int = -1)
     group = init_group(config.device, config.shard)
     # FSDP: the whole base is read into host memory first, then sharded onto the devices
     load_on = "cpu" if group.fsdp else str(group.device)
-    engine = Engine(path, dtype=config.dtype, device=load_on, model_name=name)
+    engine = Engine(
+        path, dtype=config.dtype, device=load_on, model_name=name, **engine_options(config)
+    )
     dist_engine = DistributedEngine(engine, group)
     log.info("rank %d of %d: %s on %s", group.rank, group.world, name, dist_engine.placement)
     if group.leader:

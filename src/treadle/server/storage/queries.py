@@ -339,7 +339,8 @@ def served_models(conn: Connection) -> dict[str, dict[str, Any]]:
 
 
 def announce_model(conn: Connection, facts: dict[str, Any]) -> None:
-    """Write a served model's facts (name, vocab_size, max_seq_len, max_lora_rank, arch)."""
+    """Write a served model's facts (name, vocab_size, max_seq_len, max_lora_rank, arch,
+    max_train_tokens)."""
     t = ServedModelRow.__table__
     conn.execute(delete(t).where(t.c.name == facts["name"]))
     conn.execute(insert(t), {**facts, "updated_at": utcnow()})

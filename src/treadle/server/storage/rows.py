@@ -328,6 +328,8 @@ class ServedModelRow(Base):
     max_seq_len: Mapped[int] = mapped_column(BigInteger)
     max_lora_rank: Mapped[int] = mapped_column(BigInteger)
     arch: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # the longest sequence a forward_backward fits in the engine's memory budget (0: none known)
+    max_train_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -119,7 +119,8 @@ class ModelShape:
     def activations(self, tokens: int, checkpointed: bool, train: bool) -> int:
         """Estimated bytes of a call of `tokens` (rows x padded length) beyond the weights."""
         one = self.layer_saved()
-        logits = LOGIT_CHUNKS * CHUNK_BYTES + tokens * 8  # chunks; (B, T) logprobs and ids
+        chunk = min(CHUNK_BYTES, tokens * self.vocab * 4)
+        logits = LOGIT_CHUNKS * chunk + tokens * 8  # chunks; (B, T) logprobs and ids
         if not train:  # one layer's tensors at a time, and the final hidden states
             return tokens * (one + 2 * self.hidden * self.act_bytes) + logits
         if checkpointed:

@@ -165,7 +165,8 @@ def _pass(
         else:  # an empty share under FSDP: one base row of token 0
             ids = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
             with engine.bank.rows([None]), final_hidden(model) as hidden:
-                kept += [*hidden, model(input_ids=ids, use_cache=False).logits]
+                logits = model(input_ids=ids, use_cache=False).logits  # (1, 0, V)
+            kept += [hidden[0], logits]
             lps, targets, lengths = [], [], []
     start = 0
     for (i, b), lp, target in zip(local, lps, targets, strict=True):

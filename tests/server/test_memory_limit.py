@@ -88,3 +88,24 @@ def test_an_over_budget_sequence_is_a_400_naming_length_and_limit(client):
     assert ok.status_code == 200, ok.text
     out = _result(client, ok.json()["request_id"])
     assert "error" not in out and np.isfinite(out["metrics"]["loss:sum"])
+
+
+def test_serve_flags_reach_the_engine_settings(tiny_model_dir):
+    import argparse
+
+    from treadle.engine.memory import MemorySettings
+    from treadle.server.app import engine_options
+    from treadle.server.config import flag_values, serve_flags
+
+    parser = argparse.ArgumentParser()
+    serve_flags(parser)
+    args = parser.parse_args(
+        ["--activation-checkpointing", "on", "--memory-budget-gb", "2", "--max-context", "4096"]
+    )
+    config = ServerConfig(models={TINY: str(tiny_model_dir)}, **flag_values(args))
+    options = engine_options(config)
+    assert options == {"memory": MemorySettings("on", 2 << 30, None), "max_seq_len": 4096}
+    with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
+        parser.parse_args(["--activation-checkpointing", "sometimes"])
+    with pytest.raises(ValueError, match="memory_budget_gb"):
+        ServerConfig(models={TINY: str(tiny_model_dir)}, memory_budget_gb=0)

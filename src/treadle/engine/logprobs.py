@@ -4,9 +4,10 @@ head is applied a chunk of positions at a time.
 `final_hidden(model)` makes a model call compute no logits: the output embedding's input,
 the final hidden states (B, T, H), is kept, and the head itself sees an empty (B, 0, H).
 `target_logprobs(head, hidden, targets)` then computes log_softmax(head(h))[target] for
-chunks of about CHUNK_BYTES of fp32 logits each. With gradients every chunk runs under
-torch.utils.checkpoint: its forward keeps only its (B, c, H) input, and backward recomputes
-its logits, so at most one chunk's logits (and their gradient) exist at any time. Chunks
+chunks of about CHUNK_BYTES of fp32 logits each. With gradients every chunk of a call that
+needs several runs under torch.utils.checkpoint: its forward keeps only its (B, c, H)
+input, and backward recomputes its logits, so at most one chunk's logits (and their
+gradient) exist at any time; a call of one chunk keeps its logits (no recomputation). Chunks
 cut positions, never rows: the head is called on all B rows, so a LoRA on the unembedding
 (train_unembed) is routed per row by the AdapterBank exactly as in a whole-model call.
 
@@ -95,7 +96,8 @@ def target_logprobs(
         return fused
     c = chunk_positions(B, head.weight.shape[0], chunk_bytes or CHUNK_BYTES)
     one = partial(_chunk_logprobs, head, transform)
-    grad = torch.is_grad_enabled()
+    # one chunk: its logits (at most chunk_bytes) are kept for backward, not recomputed
+    grad = torch.is_grad_enabled() and T > c
     pieces = []
     for t0 in range(0, T, c):
         h, tg = hidden[:, t0 : t0 + c], targets[:, t0 : t0 + c]  # (B, c, H), (B, c[, K])

@@ -76,7 +76,7 @@ def forward_backward(
         return []
     train = not forward_only
     if plan is not None:
-        from treadle.engine import train_passes
+        from treadle.engine import train_passes  # it builds on this module
 
         lengths = [len(d.tokens) for b in batches for d in b.data]
         check_fit(lengths, plan.longest(train), plan.describe(train), "datum {i}: ")

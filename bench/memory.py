@@ -59,9 +59,32 @@ def _row(vocab: int, T: int):
     return seq[:-1], seq[1:]
 
 
+# (layers, hidden, MLP width, KV width, vocab) of the models, for the baselines' estimate
+SHAPES = {"smollm2": (30, 576, 1536, 192, 49152), "tiny152k": (7, 384, 1024, 128, BIG_VOCAB)}
+
+
+def baseline_estimate(model: str, impl: str, T: int) -> int:
+    """What a baseline point should need, before it runs: the unchecked activations
+    (treadle.engine.memory's count; a checkpointed layer input each with plain_gc) plus
+    three copies of the (T, V) fp32 logits (logits, log_softmax, their gradient)."""
+    from treadle.engine.memory import ModelShape
+
+    layers, hidden, mlp, kv, vocab = SHAPES.get(model, (0, 0, 0, 0, 0))
+    shape = ModelShape(layers, hidden, mlp, hidden, kv, vocab, 4, 0)
+    acts = shape.activations(T, checkpointed=impl == "plain_gc", train=True)
+    return acts + 3 * T * vocab * 4
+
+
 def child(model: str, impl: str, T: int, context: int) -> dict:
     """One point, in this (fresh) process."""
     import torch
+
+    if impl != "treadle":  # the machine is shared: never start what cannot fit now
+        need, free = baseline_estimate(model, impl, T), available_bytes()
+        if need > 0.8 * free:
+            raise SystemExit(
+                f"not run: about {need / GIB:.1f} GiB expected, {free / GIB:.1f} GiB free"
+            )
 
     torch.manual_seed(0)
     warnings.filterwarnings("ignore")
@@ -181,6 +204,9 @@ def run(models: list[str], impls: list[str], lengths: list[int]) -> list[dict]:
                     if out.returncode != 0:
                         tail = out.stderr.strip().splitlines()[-1:] or ["killed"]
                         point = {"model": model, "impl": impl, "T": T, "failed": tail[0]}
+                        if tail[0].startswith("not run"):
+                            need = baseline_estimate(model, impl, T)
+                            point |= {"skipped": True, "expected_bytes": need}
                     else:
                         point = json.loads(out.stdout.strip().splitlines()[-1])
                 points.append(point)

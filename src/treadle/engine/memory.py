@@ -10,14 +10,16 @@ lengths, each term linear in the tokens:
   torch saves: norms' inputs and outputs, q/k/v after RoPE, the attention output, the
   MLP's gate, up and product);
 - with checkpointing, each layer's input (H values) for every layer, plus one layer's
-  saved tensors while backward recomputes it;
+  saved tensors while backward recomputes it; measured, a checkpointed call holds about
+  CHECKPOINTED_KEPT x H values per token and layer, and that is what is counted;
 - backward's working set: the gradient flowing between layers and one layer's gradients
   (BACKWARD_FACTOR x one layer's saved tensors);
 - the logits: at most a few chunks of treadle.engine.logprobs.CHUNK_BYTES, never (B, T, V);
 - attention needs no (T, T) tensor: the engine passes no attention mask (rows are right
   padded and attention is causal) and SDPA keeps a logsumexp per query.
 
-It is deliberately on the high side (bench/memory.py measures the real peaks against it).
+It is meant to be on the high side; bench/memory.py measures the real peaks against it
+(process RSS, which is what an out-of-memory kill reads).
 The budget defaults to 90 % of the device's memory: total RAM on a CPU, the GPU's total
 memory on CUDA. A call whose estimate exceeds the budget is split into several passes
 (treadle.engine.train); a single sequence too long for any pass is refused with its length
@@ -38,6 +40,11 @@ from treadle.engine.specs import fit_limit
 
 DEFAULT_BUDGET_FRACTION = 0.9
 BACKWARD_FACTOR = 2.0  # backward's transient tensors, in units of one layer's saved tensors
+# What a checkpointed call holds per token and layer, in units of H values: measured, not
+# derived (bench/memory.py, SmolLM2-135M at 8k tokens: 593 KB per token over 30 layers where
+# the layer inputs and one recomputed layer count 206 KB). The layer input is 1; the rest is
+# what the process keeps between layers (allocator pools, the checkpoint's bookkeeping).
+CHECKPOINTED_KEPT = 7.0
 LOGIT_CHUNKS = 4  # chunk-sized tensors alive at once (logits, their gradient, the head's)
 MAX_TOKENS_CAP = 1 << 24  # the search for max_tokens stops here
 
@@ -124,7 +131,7 @@ class ModelShape:
         if not train:  # one layer's tensors at a time, and the final hidden states
             return tokens * (one + 2 * self.hidden * self.act_bytes) + logits
         if checkpointed:
-            kept = self.layers * self.hidden * self.act_bytes + one
+            kept = int(self.layers * CHECKPOINTED_KEPT * self.hidden * self.act_bytes) + one
         else:
             kept = self.layers * one
         return tokens * (kept + int(BACKWARD_FACTOR * one)) + logits

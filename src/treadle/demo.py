@@ -97,7 +97,6 @@ def sft_warmup(svc, base_url: str, cfg: DemoConfig, run_path: Path) -> str:
         learning_rate=cfg.sft_lr,
         batch_size=cfg.sft_batch,
         max_length=128,
-        pack=False,
         max_steps=cfg.sft_steps,
         eval_every=0,
         save_every=cfg.sft_steps,

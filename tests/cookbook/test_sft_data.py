@@ -7,9 +7,9 @@ from treadle.cookbook.sft import (
     example_to_datum,
     learning_rate_at,
     make_batch,
-    pack_examples,
     render_chat,
     render_completion,
+    training_sequences,
 )
 
 
@@ -50,11 +50,11 @@ def test_batch_weights_average_over_trained_tokens():
     assert total == pytest.approx(1.0)
 
 
-def test_packing_never_splits_an_example():
+def test_every_example_is_its_own_sequence():
     examples = [([1] * 5, [1.0] * 5), ([2] * 4, [1.0] * 4), ([3] * 3, [1.0] * 3)]
-    packed = pack_examples(examples, 9)
-    assert [len(t) for t, _ in packed] == [9, 3]
-    assert packed[0][0] == [1] * 5 + [2] * 4
+    sequences = training_sequences(examples, 4)
+    assert [t for t, _ in sequences] == [[1] * 4, [2] * 4, [3] * 3]
+    assert len(make_batch(sequences)) == 3
 
 
 def test_lr_schedule_warms_up_and_decays_to_ten_percent():

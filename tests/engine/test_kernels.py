@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from treadle.engine.logprobs import TargetLogprobs
 from treadle.engine.lora import _LoraDelta, _LoraLinear
 from treadle.engine.lora_kernels import _SegmentedLoraLinear
-from treadle.engine.train import _TargetLogprobs
 
 
 def _inputs(dtype, bias: bool, x_grad: bool, seed: int = 0):
@@ -180,11 +180,27 @@ def test_segmented_lora_linear_on_a_bf16_base_equals_the_base_call_plus_deltas(l
 def test_target_logprobs_equal_cross_entropy():
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(9, 50, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
-    targets = torch.randint(0, 50, (9,), generator=gen)
-    assert torch.autograd.gradcheck(lambda z: _TargetLogprobs.apply(z, targets), (logits,))
-    g = torch.randn(9, dtype=torch.float64, generator=gen)
-    got = _TargetLogprobs.apply(logits, targets)
-    want = -F.cross_entropy(logits, targets, reduction="none")
+    targets = torch.randint(0, 50, (9, 1), generator=gen)
+    assert torch.autograd.gradcheck(lambda z: TargetLogprobs.apply(z, targets), (logits,))
+    g = torch.randn(9, 1, dtype=torch.float64, generator=gen)
+    got = TargetLogprobs.apply(logits, targets)
+    want = -F.cross_entropy(logits, targets[:, 0], reduction="none")[:, None]
+    torch.testing.assert_close(got, want)
+    (d_got,) = torch.autograd.grad(got, logits, g)
+    (d_want,) = torch.autograd.grad(want, logits, g)
+    torch.testing.assert_close(d_got, d_want)
+
+
+def test_target_logprobs_of_k_columns_equal_log_softmax():
+    """(M, K) targets, one named twice in a row: log_softmax + gather's values and gradient."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 40, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+    targets = torch.randint(0, 40, (7, 4), generator=gen)
+    targets[2, 3] = targets[2, 1]
+    assert torch.autograd.gradcheck(lambda z: TargetLogprobs.apply(z, targets), (logits,))
+    g = torch.randn(7, 4, dtype=torch.float64, generator=gen)
+    got = TargetLogprobs.apply(logits, targets)
+    want = logits.log_softmax(-1).gather(-1, targets)
     torch.testing.assert_close(got, want)
     (d_got,) = torch.autograd.grad(got, logits, g)
     (d_want,) = torch.autograd.grad(want, logits, g)

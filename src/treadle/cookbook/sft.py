@@ -1,5 +1,9 @@
 """The reusable supervised loop: chats rendered with the model's chat template, loss only on
-what the assistant says, examples packed into fixed-size sequences, held-out NLL.
+what the assistant says, one example per datum, held-out NLL.
+
+Examples are never concatenated into one sequence: in one row they would attend to each
+other (an example's logprobs would depend on whatever preceded it). Each is its own datum,
+and the server batches the rows of a step side by side, each attending only to itself.
 
 Weights are scaled by 1/(trained tokens in the batch), so the server's summed cross-entropy
 is a per-token mean and the learning rate does not depend on the batch size.
@@ -33,9 +37,8 @@ class SFTConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     grad_clip_norm: float = 1.0
-    batch_size: int = 32  # sequences per step
+    batch_size: int = 32  # examples (datums) per step
     max_length: int = 512
-    pack: bool = True
     max_steps: int = 100
     eval_every: int = 20
     save_every: int = 50
@@ -78,19 +81,9 @@ def render_completion(tokenizer, prompt: str, completion: str, max_length: int) 
     return tokens_T, weights_T
 
 
-def pack_examples(examples: Sequence[Example], max_length: int) -> list[Example]:
-    """Concatenate examples into sequences of at most max_length tokens (no example split)."""
-    packed: list[Example] = []
-    tokens_T: list[int] = []
-    weights_T: list[float] = []
-    for tokens, weights in examples:
-        if tokens_T and len(tokens_T) + len(tokens) > max_length:
-            packed.append((tokens_T, weights_T))
-            tokens_T, weights_T = [], []
-        tokens_T, weights_T = tokens_T + list(tokens), weights_T + list(weights)
-    if tokens_T:
-        packed.append((tokens_T, weights_T))
-    return packed
+def training_sequences(examples: Sequence[Example], max_length: int) -> list[Example]:
+    """One sequence per example, cut to max_length: never two examples in one row."""
+    return [(list(t)[:max_length], list(w)[:max_length]) for t, w in examples]
 
 
 def example_to_datum(example: Example, scale: float = 1.0) -> Datum:
@@ -151,7 +144,7 @@ def train_sft(
     from treadle import ServiceClient
 
     run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
-    sequences = pack_examples(train, config.max_length) if config.pack else list(train)
+    sequences = training_sequences(train, config.max_length)
     svc = service or ServiceClient(base_url=config.base_url)
     training_client, start, _ = open_training_client(
         svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed

@@ -32,16 +32,17 @@ import bisect
 import contextlib
 import itertools
 import math
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from treadle.engine.lora import Adapter, AdapterBank, LoraPair
-from treadle.engine.losses import as_int64, validate_batch
-from treadle.engine.train import NONFINITE, _batch_loss, _logprobs, add_or_blame
+from treadle.engine.logprobs import final_hidden
+from treadle.engine.lora import Adapter, AdapterBank
+from treadle.engine.losses import validate_batch
+from treadle.engine.train import NONFINITE, _batch_loss, add_or_blame, model_pass
+from treadle.engine.train_passes import aliased
 from treadle.engine.types import TrainBatch, TrainResult
 
 
@@ -84,11 +85,14 @@ def forward_backward(
     failure: BaseException | None = None
     anchor: torch.Tensor | None = None
     leaf: list[torch.Tensor] = []
-    with torch.set_grad_enabled(train), _aliased(bank, batches, train) as aliases:
+    with torch.set_grad_enabled(train), aliased(bank, batches, train) as aliases:
         try:
             keys = [aliases[i].id if train else b.adapter_id for i, b in local for _ in b.data]
+            tokens = len(lengths) * max(lengths)  # the whole call's: every rank decides alike
+            plan = getattr(engine, "memory_plan", None)
+            checkpointed = plan is not None and plan.checkpoints(tokens, train)
             partial, outs, anchor = _pass(
-                engine, local, keys, fsdp, leaf if fsdp and train else None
+                engine, local, keys, fsdp, leaf if fsdp and train else None, checkpointed
             )
         except Exception as e:  # noqa: BLE001 - reported through the all-reduce below
             failure = e
@@ -130,74 +134,47 @@ def _local_batches(batches: list[TrainBatch], lo: int, hi: int) -> list[tuple[in
     return local
 
 
-@contextlib.contextmanager
-def _aliased(
-    bank: AdapterBank, batches: list[TrainBatch], train: bool
-) -> Iterator[dict[int, Adapter]]:
-    """Per batch, an adapter whose tensors are views of its adapter's (registered as a
-    snapshot for the routing, for the model call only): the gradients of each view are that
-    batch's alone."""
-    if not train:
-        yield {}
-        return
-    tag = uuid.uuid4().hex[:8]
-    aliases = {}
-    for i, b in enumerate(batches):
-        src = bank.live(b.adapter_id)
-        layers = {
-            path: LoraPair(p.A.view_as(p.A), p.B.view_as(p.B), p.scale)
-            for path, p in src.layers.items()
-        }
-        aliases[i] = Adapter(f"{b.adapter_id}#{tag}.{i}", src.spec, layers, trainable=False)
-    bank.snapshots.update({a.id: a for a in aliases.values()})
-    try:
-        yield aliases
-    finally:
-        for a in aliases.values():
-            bank.snapshots.pop(a.id, None)
-
-
 def _pass(
     engine: Any,
     local: list[tuple[int, TrainBatch]],
     keys: list[str],
     fsdp: bool,
     leaf: list[torch.Tensor] | None,
+    checkpointed: bool = False,
 ) -> tuple[dict[int, torch.Tensor], dict[int, list[dict[str, np.ndarray]]], torch.Tensor | None]:
-    """The model over this rank's rows → partial losses and outputs by batch index, and the
-    logits (FSDP's backward anchor). `leaf` receives the input embeddings as a tensor that
-    requires grad (FSDP: the backward then crosses every layer)."""
+    """The model over this rank's rows → partial losses and outputs by batch index, and a
+    backward anchor for FSDP (the final hidden states and the head's output, both zero
+    in the objective). `leaf` receives the input embeddings as a tensor that requires
+    grad (FSDP: the backward then crosses every layer)."""
     if not local and not fsdp:
         return {}, {}, None
     model = engine.model
-    lengths = [len(d.tokens) for _, b in local for d in b.data] or [1]
-    rows, T = len(lengths), max(lengths)
-    ids = np.zeros((rows, T), dtype=np.int64)  # (B, T); pads are token 0, masked out below
-    r = 0
-    for _, b in local:
-        for d in b.data:
-            ids[r, : len(d.tokens)] = as_int64(d.tokens)
-            r += 1
-    device = engine.device
-    attention_mask = None
-    if min(lengths) < T:
-        mask_np = np.arange(T)[None, :] < np.asarray(lengths)[:, None]  # (B, T)
-        attention_mask = torch.from_numpy(mask_np.astype(np.int64)).to(device)
-    route = keys or [None]  # an empty share under FSDP: one base row of token 0
-    with engine.bank.rows(route), _embeddings_as_leaf(model, leaf):
-        logits = model(
-            input_ids=torch.from_numpy(ids).to(device),
-            attention_mask=attention_mask,
-            use_cache=False,
-        ).logits  # (B, T, V)
+    kept: list[torch.Tensor] = []
     partial, outs = {}, {}
-    lps, targets = _logprobs(logits, [b for _, b in local]) if local else ([], [])
+    with _embeddings_as_leaf(model, leaf):
+        if local:
+            lps, targets, lengths = model_pass(
+                model,
+                engine.bank,
+                [b for _, b in local],
+                keys,
+                getattr(engine, "layer_checkpointing", None),
+                checkpointed,
+                kept,
+            )
+        else:  # an empty share under FSDP: one base row of token 0
+            ids = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
+            with engine.bank.rows([None]), final_hidden(model) as hidden:
+                logits = model(input_ids=ids, use_cache=False).logits  # (1, 0, V)
+            kept += [hidden[0], logits]
+            lps, targets, lengths = [], [], []
     start = 0
     for (i, b), lp, target in zip(local, lps, targets, strict=True):
         stop = start + len(b.data)
         partial[i], outs[i] = _batch_loss(lp, b, lengths[start:stop], target)
         start = stop
-    return partial, outs, logits if fsdp else None
+    anchor = kept[0].sum() + kept[1].sum() if fsdp else None
+    return partial, outs, anchor
 
 
 @contextlib.contextmanager
@@ -239,7 +216,7 @@ def _accumulate(
         if i in partial:
             objective = partial[i] if objective is None else objective + partial[i]
     if anchor is not None:  # FSDP: a backward on every rank, through every layer
-        zero = anchor.sum() * 0.0
+        zero = anchor * 0.0
         objective = zero if objective is None else objective + zero
     failure: BaseException | None = None
     grads: list[torch.Tensor | None] = [None] * len(targets)

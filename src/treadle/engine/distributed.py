@@ -150,6 +150,10 @@ class DistributedEngine:
         return self.engine.max_lora_rank
 
     @property
+    def max_train_tokens(self) -> int:
+        return self.engine.max_train_tokens
+
+    @property
     def arch(self) -> str | None:
         return self.engine.arch
 

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from treadle.engine import checkpoints, optim, train
+from treadle.engine.checkpointing import LayerCheckpointing
+from treadle.engine.logprobs import check_head
 from treadle.engine.lora import AdapterBank
+from treadle.engine.memory import MemoryPlan, MemorySettings, ModelShape
 from treadle.engine.models import load_base_model
 from treadle.engine.threads import threads_for
 from treadle.engine.types import (
@@ -34,21 +37,29 @@ class Engine:
         dtype: str = "float32",
         device: str = "cpu",
         model_name: str | None = None,
+        memory: MemorySettings | None = None,
+        max_seq_len: int | None = None,
     ):
         """Load an HF causal LM folder (config + safetensors + tokenizer) frozen.
 
         Attributes set: model, tokenizer, vocab_size, max_seq_len, eos_token_ids, model_dir,
-        bank (the AdapterBank that routes rows to adapters; see treadle.engine.lora) and
+        bank (the AdapterBank that routes rows to adapters; see treadle.engine.lora),
         max_lora_rank (the largest rank create_adapter accepts for a spec that trains every
-        layer kind; bank.max_rank(spec) gives it for another spec).
+        layer kind; bank.max_rank(spec) gives it for another spec), memory_plan (the
+        memory estimate and budget, treadle.engine.memory), layer_checkpointing and
+        max_train_tokens (the longest sequence a forward_backward fits in the budget).
         model_name is what exported adapters name as their base (default: the folder).
+        memory: activation checkpointing and the memory budget (default: auto, 90 % of the
+        device's memory). max_seq_len: accept sequences this long even past the model's
+        context (RoPE positions beyond those it was trained on: they run, with whatever
+        quality the model has there); default the model's context.
         """
         base = load_base_model(model_dir, dtype=dtype, device=device)
         self.base = base
         self.model = base.model
         self.tokenizer = base.tokenizer
         self.vocab_size = base.vocab_size
-        self.max_seq_len = base.max_seq_len
+        self.max_seq_len = max_seq_len or base.max_seq_len
         self.eos_token_ids = base.eos_token_ids
         self.model_dir = base.model_dir
         self.device = base.device
@@ -56,6 +67,15 @@ class Engine:
         self.model_name = model_name or str(model_dir)
         self.bank = AdapterBank(self.model)
         self.max_lora_rank = self.bank.max_rank(LoraSpec())
+        check_head(self.model)  # the chunked logprobs are the model's own
+        self.layer_checkpointing = LayerCheckpointing(self.model, self.bank)
+        self.memory_plan = MemoryPlan(
+            ModelShape.of(self.model),
+            memory or MemorySettings(),
+            self.device,
+            can_checkpoint=self.layer_checkpointing.available,
+        )
+        self.max_train_tokens = self.memory_plan.max_tokens
 
     @property
     def arch(self) -> str | None:
@@ -100,6 +120,8 @@ class Engine:
                 vocab_size=self.vocab_size,
                 max_seq_len=self.max_seq_len,
                 forward_only=forward_only,
+                plan=self.memory_plan,
+                layers=self.layer_checkpointing,
             )
 
     def optim_step(self, adapter_id: str, spec: AdamSpec) -> dict[str, float]:

@@ -124,6 +124,33 @@ def validate_train_batch(
     return config
 
 
+def fit_limit(max_tokens: int, budget_bytes: int | None = None, mode: str | None = None) -> str:
+    """How a refusal names the memory limit on a sequence's length, and how to raise it."""
+    why = ""
+    if budget_bytes is not None:
+        why = f" ({budget_bytes / (1 << 30):.1f} GiB, activation checkpointing {mode})"
+    return (
+        f"the limit of {max_tokens} tokens that one forward_backward fits in this server's "
+        f"memory budget{why}; raise --memory-budget-gb, turn --activation-checkpointing "
+        "on, or send shorter sequences"
+    )
+
+
+def check_fit(
+    lengths: list[int], max_tokens: int, limit: str | None = None, where: str = "data[{i}]."
+) -> None:
+    """Refuse a sequence longer than the longest one a pass fits in memory (max_tokens; 0:
+    no limit known), naming its length and the limit (`limit`: fit_limit's text)."""
+    if max_tokens <= 0:
+        return
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise InvalidRequestError(
+                f"{where.format(i=i)}model_input: length {n} exceeds "
+                f"{limit or fit_limit(max_tokens)}"
+            )
+
+
 def _validate_datum(
     datum: TrainDatum,
     loss_fn: str,

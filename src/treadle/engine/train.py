@@ -14,6 +14,7 @@ and an optim_step that would leave an adapter non-finite is refused (treadle.eng
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.engine.checkpointing import LayerCheckpointing, route_replay
+from treadle.engine.logprobs import (
+    ContextFn,
+    Transform,
+    final_hidden,
+    logit_transform,
+    target_logprobs,
+)
 from treadle.engine.lora import Adapter, AdapterBank, tensor_peaks
+from treadle.engine.lora_adapters import UNEMBED
 from treadle.engine.losses import CLIP_DEFAULTS, FLOAT_KEYS, LOSSES, as_int64, validate_batch
+from treadle.engine.memory import MemoryPlan
+from treadle.engine.specs import check_fit
 from treadle.engine.types import TrainBatch, TrainResult
 
 # Metric of every forward / forward_backward result: 1.0 when the batch's loss, or the
@@ -40,12 +52,19 @@ def forward_backward(
     vocab_size: int,
     max_seq_len: int,
     forward_only: bool = False,
+    plan: MemoryPlan | None = None,
+    layers: LayerCheckpointing | None = None,
 ) -> list[TrainResult]:
     """Logprobs and loss of every batch; gradients into each adapter unless forward_only.
 
     forward_only also accepts snapshot ids; forward_backward needs live adapters. Metrics:
     `loss:sum` and NONFINITE; a non-finite batch leaves its adapter's gradients as they were
     and the other batches of the call exactly as if it had not been there.
+
+    With a memory plan (treadle.engine.memory), a sequence longer than any pass can hold is
+    refused before anything is allocated, the decoder layers are checkpointed where the
+    plan says so (`layers`), and a call too large for one pass runs as several
+    (treadle.engine.train_passes).
     """
     for batch in batches:
         validate_batch(batch, vocab_size, max_seq_len)
@@ -55,29 +74,22 @@ def forward_backward(
             bank.live(batch.adapter_id)
     if not batches:
         return []
-    device = next(model.parameters()).device
-    lengths = [len(d.tokens) for b in batches for d in b.data]
-    n_rows, T = len(lengths), max(lengths)
-    ids = np.zeros((n_rows, T), dtype=np.int64)  # (B, T); pads are token 0, masked out below
-    row = 0
-    for batch in batches:
-        for datum in batch.data:
-            ids[row, : len(datum.tokens)] = as_int64(datum.tokens)
-            row += 1
-    input_ids = torch.from_numpy(ids).to(device)  # (B, T)
-    attention_mask = None
-    if min(lengths) < T:
-        # right padding: real tokens never attend to pads (causal), the mask keeps it so for
-        # any attention implementation
-        mask_np = np.arange(T)[None, :] < np.asarray(lengths)[:, None]  # (B, T)
-        attention_mask = torch.from_numpy(mask_np.astype(np.int64)).to(device)
-    keys = [b.adapter_id for b in batches for _ in b.data]
+    train = not forward_only
+    if plan is not None:
+        from treadle.engine import train_passes  # it builds on this module
 
+        lengths = [len(d.tokens) for b in batches for d in b.data]
+        check_fit(lengths, plan.longest(train), plan.describe(train), "datum {i}: ")
+        passes = train_passes.plan_passes(batches, plan, train)
+        if len(passes) > 1:
+            return train_passes.run_passes(model, bank, batches, passes, train, plan, layers)
+    keys = [b.adapter_id for b in batches for _ in b.data]
+    tokens = len(keys) * max(len(d.tokens) for b in batches for d in b.data)
+    checkpointed = plan is not None and plan.checkpoints(tokens, train)
     losses: list[torch.Tensor] = []
     outputs: list[list[dict[str, np.ndarray]]] = []
-    with torch.set_grad_enabled(not forward_only), bank.rows(keys):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        lps, targets = _logprobs(logits, batches)
+    with torch.set_grad_enabled(train):
+        lps, targets, lengths = model_pass(model, bank, batches, keys, layers, checkpointed)
         start = 0
         for batch, lp, target in zip(batches, lps, targets, strict=True):
             stop = start + len(batch.data)
@@ -87,12 +99,62 @@ def forward_backward(
             start = stop
     values = torch.stack([loss.detach() for loss in losses]).tolist()  # one host sync
     bad = [not math.isfinite(v) for v in values]
-    if not forward_only:
+    if train:
         bad = _accumulate(bank, batches, losses, bad)
     return [
         TrainResult(outs, {"loss:sum": value, NONFINITE: float(b)})
         for outs, value, b in zip(outputs, values, bad, strict=True)
     ]
+
+
+def model_pass(
+    model: nn.Module,
+    bank: AdapterBank,
+    batches: list[TrainBatch],
+    keys: list[str | None],
+    layers: LayerCheckpointing | None = None,
+    checkpointed: bool = False,
+    hidden_out: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[_Targets], list[int]]:
+    """The model over the rows of `batches` (row i routed to keys[i]) → each batch's target
+    logprobs, its targets and every row's length. The logits are never whole: the model
+    runs without its head and the head is applied chunk by chunk (treadle.engine.logprobs).
+    hidden_out receives the final hidden states (B, T, H) and the head's (B, 0, V) output,
+    for a caller whose backward must cross every layer (FSDP)."""
+    device = next(model.parameters()).device
+    lengths = [len(d.tokens) for b in batches for d in b.data]
+    n_rows, T = len(lengths), max(lengths)
+    ids = np.zeros((n_rows, T), dtype=np.int64)  # (B, T); pads are token 0, masked out below
+    row = 0
+    for batch in batches:
+        for datum in batch.data:
+            ids[row, : len(datum.tokens)] = as_int64(datum.tokens)
+            row += 1
+    head = model.get_output_embeddings()
+    switch = layers.enabled(checkpointed) if layers is not None else contextlib.nullcontext()
+    # No attention mask: rows are right padded and attention is causal, so a real token
+    # never attends to a pad (the same numbers as with the mask, without its (B, T, T))
+    with bank.rows(keys), switch:
+        with final_hidden(model) as kept:
+            out = model(input_ids=torch.from_numpy(ids).to(device), use_cache=False)
+        hidden = kept[-1]  # (B, T, H)
+        lps, targets = _logprobs(
+            head,
+            hidden,
+            batches,
+            logit_transform(model.config),
+            route_replay(bank),
+            _plain_head(bank, keys),
+        )
+    if hidden_out is not None:
+        hidden_out += [hidden, out.logits]
+    return lps, targets, lengths
+
+
+def _plain_head(bank: AdapterBank, keys: list[str | None]) -> bool:
+    """Whether no row has a LoRA on the unembedding (a fused kernel may then read it)."""
+    heads = [path for path, kind in bank.targets.items() if kind == UNEMBED]
+    return not any(p in bank.get(k).layers for k in set(keys) if k is not None for p in heads)
 
 
 def _accumulate(
@@ -204,41 +266,42 @@ def _pad(
 
 
 def _logprobs(
-    logits: torch.Tensor, batches: list[TrainBatch]
+    head: nn.Module,
+    hidden: torch.Tensor,
+    batches: list[TrainBatch],
+    transform: Transform | None,
+    context_fn: ContextFn,
+    plain_head: bool,
 ) -> tuple[list[torch.Tensor], list[_Targets]]:
     """Each batch's target logprobs (n, T) or (n, T, K), and its targets.
 
-    Without top-k targets one pass over the vocabulary serves every row and only the small
-    (B, T) result is split by batch: splitting the (B, T, V) logits instead costs their
-    size again in backward (the gradients of the pieces are concatenated), and slicing
-    them batch by batch a zero-filled (B, T, V) gradient per batch.
+    One chunked pass over the vocabulary serves every row (the head is called on all rows:
+    the routing of a LoRA on it needs them); with top-k targets in some batch, every row
+    gets K = the largest K columns (a (T,) datum in column 0) and each batch keeps its own.
     """
-    T = logits.shape[1]
-    targets = [_targets(b, T, logits.device) for b in batches]
+    T = hidden.shape[1]
+    targets = [_targets(b, T, hidden.device) for b in batches]
     sizes = [len(b.data) for b in batches]
-    if len(batches) == 1:  # a lone batch takes the logits whole
-        return [_target_lp(logits, targets[0].padded, targets[0].top_k)], targets
-    if any(t.top_k for t in targets):
-        pieces = logits.split(sizes)
-        return [
-            _target_lp(x, t.padded, t.top_k) for x, t in zip(pieces, targets, strict=True)
-        ], targets
-    every = torch.cat([t.padded for t in targets])  # (B, T)
-    return list(_target_lp(logits, every, top_k=False).split(sizes)), targets
+    K = max((t.padded.shape[2] for t in targets if t.top_k), default=0)
+    if K:
+        every = torch.cat([_as_k(t.padded, K) for t in targets])  # (B, T, K)
+    else:
+        every = torch.cat([t.padded for t in targets])  # (B, T)
+    lp = target_logprobs(head, hidden, every, transform, context_fn, plain_head and not K)
+    pieces = lp.split(sizes) if len(batches) > 1 else [lp]
+    if K:
+        pieces = [
+            x[..., : t.padded.shape[2]] if t.top_k else x[..., 0]
+            for x, t in zip(pieces, targets, strict=True)
+        ]
+    return list(pieces), targets
 
 
-def _target_lp(logits: torch.Tensor, targets: torch.Tensor, top_k: bool) -> torch.Tensor:
-    """log_softmax(logits) at the targets, in fp32 (the loss always is): (n, T[, K])."""
-    n, T, V = logits.shape
-    logits_f = logits.float()
-    if top_k:
-        return logits_f.log_softmax(-1).gather(-1, targets)  # (n, T, K)
-    if logits_f.requires_grad:
-        return _TargetLogprobs.apply(logits_f.reshape(n * T, V), targets.reshape(n * T)).view(n, T)
-    # cross_entropy fuses log_softmax and the gather: one pass over the vocabulary
-    return -F.cross_entropy(
-        logits_f.reshape(n * T, V), targets.reshape(n * T), reduction="none"
-    ).view(n, T)
+def _as_k(padded: torch.Tensor, K: int) -> torch.Tensor:
+    """(n, T) or (n, T, k) targets as (n, T, K), zero-padded (those columns are dropped)."""
+    if padded.dim() == 2:
+        padded = padded[..., None]
+    return F.pad(padded, (0, K - padded.shape[2]))  # (n, T, K)
 
 
 def _batch_loss(
@@ -281,30 +344,6 @@ def _batch_loss(
             out = lp_np[i, : t.shape[0], 0]
         outputs.append({"logprobs": np.ascontiguousarray(out, dtype=np.float32)})
     return loss, outputs
-
-
-class _TargetLogprobs(torch.autograd.Function):
-    """log_softmax(logits)[target] per row of (M, V) logits, differentiable in the logits.
-
-    What -cross_entropy(reduction="none") gives, in fewer passes over the vocabulary: it
-    keeps the logits and their logsumexp (M,) instead of an (M, V) log_softmax, and its
-    backward writes -g * softmax in one pass and adds g at the targets, where cross
-    entropy's zero-fills an (M, V) gradient, scatters into it and then runs the
-    log_softmax backward over both.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets):
-        lse = torch.logsumexp(logits, -1)  # (M,)
-        ctx.save_for_backward(logits, lse, targets)
-        return logits.gather(-1, targets[:, None])[:, 0] - lse  # (M,)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        logits, lse, targets = ctx.saved_tensors
-        d = torch.sub(logits, lse[:, None]).exp_().mul_(-g[:, None])  # (M, V): -g softmax
-        return d.scatter_add_(-1, targets[:, None], g[:, None]), None
 
 
 def _k_mask(targets_np: list[np.ndarray], n: int, T: int, K: int, device) -> torch.Tensor:

@@ -27,6 +27,7 @@ class EngineFacts:
     max_seq_len: int  # the model's context
     max_lora_rank: int  # the largest rank any targeted layer can use
     arch: str | None = None  # the HF model_type, for get_info
+    max_train_tokens: int = 0  # the longest sequence one pass fits in memory (0: no limit)
 
     @classmethod
     def of(cls, name: str, engine: Any) -> EngineFacts:
@@ -37,6 +38,7 @@ class EngineFacts:
             max_seq_len=int(engine.max_seq_len),
             max_lora_rank=int(engine.max_lora_rank),
             arch=engine.arch,
+            max_train_tokens=int(getattr(engine, "max_train_tokens", 0)),
         )
 
 

@@ -32,6 +32,10 @@ class WorkerConfig:
     snapshot_every_s: float = 60.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    activation_checkpointing: str = "auto"  # off | on | auto (treadle.engine.memory)
+    memory_budget_gb: float | None = None  # the engine's peak per call (None: 90 % of the device)
+    checkpoint_above_gb: float | None = None  # auto: checkpoint a call above this
+    max_context: int | None = None  # sequences past the model's own context, if allowed
 
     @property
     def artifacts_dir(self) -> Path:

@@ -162,6 +162,24 @@ class ServerConfig(BaseModel):
     spend caps and TrainingClient.log_metrics work either way)."""
     prices: dict[str, Price] = {}
     """Per served model name: $ per million prefill / sample / train tokens (usage reports)."""
+    activation_checkpointing: str = "auto"
+    """Checkpoint the decoder layers of a forward_backward: off; on (each layer keeps only
+    its input and backward runs it again: about a third more compute for a fraction of the
+    activation memory); auto (on for a call whose estimated activations exceed
+    checkpoint_above_gb)."""
+    memory_budget_gb: float | None = None
+    """GiB an engine process may use at the peak of a forward/forward_backward, weights
+    included (estimated from the model's config before the call runs): a longer sequence
+    than fits is refused with a 400 naming its length and the limit, and a call too large
+    for one pass runs as several. Default 90 % of the device's memory (total RAM on a CPU,
+    total GPU memory on CUDA)."""
+    checkpoint_above_gb: float | None = None
+    """auto checkpointing: checkpoint a call whose estimated activations exceed this many
+    GiB (default a quarter of the budget left after the weights)."""
+    max_context: int | None = None
+    """Accept sequences up to this many tokens on every served model, past its own context
+    length (positions it was not trained on: RoPE runs there, with whatever quality the
+    model has); default each model's context."""
     limits: InputLimits = InputLimits()
 
     @field_validator("models")
@@ -201,6 +219,20 @@ class ServerConfig(BaseModel):
             raise ValueError(f"must be >= 0, got {v}")
         return v
 
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _known_checkpointing(cls, v: str) -> str:
+        if v not in ("off", "on", "auto"):
+            raise ValueError(f"activation_checkpointing must be off, on or auto, got {v!r}")
+        return v
+
+    @field_validator("memory_budget_gb", "checkpoint_above_gb", "max_context")
+    @classmethod
+    def _positive_or_unset(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
     @field_validator("heartbeat_timeout_s", "long_poll_s", "parked_op_timeout_s")
     @classmethod
     def _positive(cls, v: float) -> float:
@@ -228,6 +260,7 @@ CHOICES = {
     "dtype": ["float32", "bfloat16"],
     "log_level": ["debug", "info", "warning", "error"],
     "shard": ["none", "fsdp"],
+    "activation_checkpointing": ["off", "on", "auto"],
 }
 
 

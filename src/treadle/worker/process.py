@@ -57,11 +57,26 @@ HELLO_EVERY_S = 1.0
 
 
 def load_engine(config: WorkerConfig, device: str | None = None) -> Any:
-    """The config's model as an Engine (on `device`, default the config's)."""
+    """The config's model as an Engine (on `device`, default the config's), with its memory
+    settings (treadle.engine.memory) and context length."""
     from treadle.engine.engine import Engine
+    from treadle.engine.memory import MemorySettings
 
+    def gib(v: float | None) -> int | None:
+        return None if v is None else int(v * (1 << 30))
+
+    memory = MemorySettings(
+        config.activation_checkpointing,
+        gib(config.memory_budget_gb),
+        gib(config.checkpoint_above_gb),
+    )
     return Engine(
-        config.path, dtype=config.dtype, device=device or config.device, model_name=config.name
+        config.path,
+        dtype=config.dtype,
+        device=device or config.device,
+        model_name=config.name,
+        memory=memory,
+        max_seq_len=config.max_context,
     )
 
 

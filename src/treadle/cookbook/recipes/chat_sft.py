@@ -1,4 +1,5 @@
-"""SFT on chat data: loss only on the assistant's tokens, packed sequences, held-out NLL.
+"""SFT on chat data: loss only on the assistant's tokens, one conversation per datum, held-out
+NLL.
 
     python -m treadle.cookbook.recipes.chat_sft --model treadle/tiny-llama \\
         --dataset chats.jsonl --max_steps 100          # lines {"messages": [...]}
@@ -35,7 +36,6 @@ class Config:
     lora_alpha: float | None = None
     batch_size: int = 32
     max_length: int = 512
-    pack: bool = True
     max_steps: int = 100
     eval_every: int = 20
     save_every: int = 50

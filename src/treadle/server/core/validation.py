@@ -14,6 +14,7 @@ import numpy as np
 
 from treadle.engine.specs import (
     MAX_TOPK_COLUMNS,
+    check_fit,
     check_ids,
     validate_adam,
     validate_sample_request,
@@ -52,6 +53,8 @@ def train_data(fb: ForwardBackwardArrays, facts: EngineFacts) -> TrainData:
     config = validate_train_batch(
         data, fb.loss_fn, fb.loss_fn_config, facts.vocab_size, facts.max_seq_len
     )
+    # before anything is queued: a sequence the engine's memory cannot hold in one pass
+    check_fit([len(d.tokens) for d in data], facts.max_train_tokens)
     return TrainData(data, fb.loss_fn, config)
 
 

@@ -97,6 +97,9 @@ class InProcessServer:
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout_s} s")
 
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def log(self) -> str:
         return "\n".join(self._log.lines)
 

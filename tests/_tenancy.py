@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from _inproc import InProcessServer
 
 from treadle.launch import ServerProcess
 from treadle.server.storage.database import Store
@@ -34,9 +35,14 @@ def make_tenants(data_dir: Path, quotas: dict[str, dict | None]) -> dict[str, st
         store.close()
 
 
-def start_server(models: dict[str, Path], data_dir: Path, config: dict | None) -> ServerProcess:
-    """A real `treadle serve` process (as tests/conftest.py's launch_server)."""
-    return ServerProcess(models, data_dir, config=config, startup_timeout_s=180).start()
+def start_server(
+    models: dict[str, Path], data_dir: Path, config: dict | None, process: bool = False
+) -> ServerProcess | InProcessServer:
+    """A real server on a free port: in this process (tests/_inproc.py), or a `treadle
+    serve` process where the test needs one (its memory, a kill)."""
+    if process:
+        return ServerProcess(models, data_dir, config=config, startup_timeout_s=180).start()
+    return InProcessServer(models, data_dir, config=config, startup_timeout_s=180).start()
 
 
 class Api:

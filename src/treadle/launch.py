@@ -98,6 +98,9 @@ class ServerProcess:
             f"treadle serve not healthy after {self.startup_timeout_s}s:\n{self.log()[-4000:]}"
         )
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

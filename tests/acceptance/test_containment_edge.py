@@ -40,7 +40,9 @@ ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 def server(tiny_model_dir, tmp_path_factory):
     data = tmp_path_factory.mktemp("containment-edge")
     keys = make_tenants(data, {"alice": QUOTAS, "bob": QUOTAS})
-    srv = start_server({TINY: tiny_model_dir}, data, config={"limits": LIMITS, **PARK})
+    srv = start_server(
+        {TINY: tiny_model_dir}, data, config={"limits": LIMITS, **PARK}, process=True
+    )
     srv.keys = keys
     yield srv
     srv.stop()

@@ -109,7 +109,7 @@ def probe(case, server, real_ids) -> None:
     try:
         response = case.call(base_url=server.url, headers=headers, timeout=60)
     except Exception:
-        if server.proc.poll() is not None:  # say why, rather than fail every later route
+        if not server.running():  # say why, rather than fail every later route
             pytest.fail(f"the server exited:\n{server.log()[-4000:]}")
         raise
     case.validate_response(response, checks=[not_a_server_error])

@@ -211,10 +211,12 @@ def test_set_quotas_from_the_cli_applies_within_the_auth_cache_ttl(server):
         time.sleep(AUTH_TTL_S)
 
     t = api(server, "sizes")
-    sid = t.session()
-    body = {"session_id": sid, "model_seq_id": 5, "base_model": TINY, "lora_config": {"rank": 4}}
+
+    def create(rank: int):  # a new session each time: the CLI may outlast a silent one's timeout
+        body = {"session_id": t.session(), "model_seq_id": 0, "base_model": TINY}
+        return t.post("create_model", {**body, "lora_config": {"rank": rank}})
+
     set_quotas("--max-lora-rank", "2")
-    assert_quota(t.post("create_model", body), "max_lora_rank", retry=False)
+    assert_quota(create(4), "max_lora_rank", retry=False)
     set_quotas("--max-lora-rank", "0")  # cleared: no rank quota at all any more
-    body["lora_config"]["rank"] = 16
-    assert t.post("create_model", body).status_code == 200
+    assert create(16).status_code == 200

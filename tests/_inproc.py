@@ -13,6 +13,7 @@ OOM) keep `treadle.launch.ServerProcess`.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -66,6 +67,8 @@ class InProcessServer:
         from treadle.server.config import ServerConfig
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # the settings as a config file, as ServerProcess passes them (the CLI reads it too)
+        (self.data_dir / f"config-{self.port}.json").write_text(json.dumps(self.config))
         settings = {**self.config, "engine_processes": False}
         config = ServerConfig(
             models=self.models, data_dir=str(self.data_dir), port=self.port, **settings

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _inproc import InProcessServer
 from _pg import PostgresServer, find_bin_dir
 
 from treadle.launch import ServerProcess
@@ -65,13 +66,17 @@ def treadle_server(
 
 @pytest.fixture
 def start_server(tmp_path: Path, tiny_model_dir: Path) -> Iterator:
-    """Factory: start_server(config=None, data_dir=None) → a fresh ServerProcess."""
-    started: list[ServerProcess] = []
+    """Factory: start_server(config=None, data_dir=None, process=False) → a fresh server on
+    the tiny model, in this process (tests/_inproc.py: uvicorn and its worker on threads,
+    no process start), or a `treadle serve` process where the test kills its workers."""
+    started: list = []
 
-    def start(config: dict | None = None, data_dir: Path | None = None) -> ServerProcess:
-        server = launch_server(
-            {TINY_MODEL_NAME: tiny_model_dir}, data_dir or tmp_path / "data", config
-        )
+    def start(config: dict | None = None, data_dir: Path | None = None, process: bool = False):
+        models, data = {TINY_MODEL_NAME: tiny_model_dir}, data_dir or tmp_path / "data"
+        if process:
+            server = launch_server(models, data, config)
+        else:
+            server = InProcessServer(models, data, config=config, startup_timeout_s=180).start()
         started.append(server)
         return server
 
@@ -119,7 +124,9 @@ def pg_url(postgres: PostgresServer) -> str:
 
 # ---- cost marks ----
 _MARKS = {
-    "e2e": re.compile(r"\b(launch_server|ServerProcess|treadle_server|start_server)\b"),
+    "e2e": re.compile(
+        r"\b(launch_server|ServerProcess|InProcessServer|treadle_server|start_server)\b"
+    ),
     "chaos": re.compile(r"\.kill\(|SIGKILL|SIGSEGV|os\.kill|plant_crash|crash_if_planted"),
     "dist": re.compile(r"torch\.distributed\.run|torchrun|\"devices\": [2-9]|devices=[2-9]"),
     "pg": re.compile(r"\b(postgres|pg_url|PostgresServer)\b"),

@@ -15,8 +15,7 @@ import zipfile
 import httpx
 import numpy as np
 import pytest
-
-from treadle.launch import ServerProcess
+from _inproc import InProcessServer
 
 tinker = pytest.importorskip("tinker")
 from tinker import types as T  # noqa: E402
@@ -110,7 +109,7 @@ def logprobs(out) -> np.ndarray:
 def fast_server(tiny_model_dir, tmp_path_factory):
     """Short long polls (try_again after 1 s), a short heartbeat timeout, two models."""
     # not `from conftest import ...`: with tests/client collected too, that name is theirs
-    server = ServerProcess(
+    server = InProcessServer(
         {TINY_MODEL_NAME: tiny_model_dir, SECOND_MODEL: tiny_model_dir},
         tmp_path_factory.mktemp("fast"),
         config={"long_poll_s": 1.0, "heartbeat_timeout_s": 4.0},

@@ -119,7 +119,7 @@ def test_a_stream_survives_its_worker_being_killed(start_server):
     """The worker dies mid-answer: the API resends the op to the new worker, which samples
     it again from the start; the stream pauses, repeats nothing and ends as the plain
     answer does."""
-    server = start_server()
+    server = start_server(process=True)
     client = openai.OpenAI(
         base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=WAIT
     )

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from treadle.launch import ServerProcess
+from _inproc import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = "treadle/tiny-llama"
@@ -82,11 +81,11 @@ def make_tenants(data_dir: Path, names: list[str], admins: list[str]) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def tenant_server(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+def tenant_server(tiny_model_dir, tmp_path_factory) -> Iterator[InProcessServer]:
     """A server with tenants alice, bob and carol, and ops (whose key is an admin key)."""
     data = tmp_path_factory.mktemp("console")
     keys = make_tenants(data, ["alice", "bob", "carol", "ops"], admins=["ops"])
-    server = ServerProcess(
+    server = InProcessServer(
         {TINY: tiny_model_dir}, data, config={"prices": PRICES}, startup_timeout_s=180
     ).start()
     server.keys = keys

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treadle import AdamParams, Datum, ModelInput
+from treadle.cookbook.estimate import announce, sft_run_plan
 from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar, step_rng
 
 Example = tuple[list[int], list[float]]  # (tokens_T, weights_T): weight 1 where trained
@@ -41,6 +42,8 @@ class SFTConfig:
     save_every: int = 50
     seed: int = 0
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 # ---- rendering ----------------------------------------------------------------------------
@@ -141,6 +144,11 @@ def eval_nll(training_client, examples: Sequence[Example], batch_size: int = 64)
     return total_nll / max(total_w, 1.0)
 
 
+def training_sequences(config: SFTConfig, train: Sequence[Example]) -> list[Example]:
+    """What the loop draws its batches from: the examples, packed unless `pack` is off."""
+    return pack_examples(train, config.max_length) if config.pack else list(train)
+
+
 def train_sft(
     config: SFTConfig,
     train: Sequence[Example],
@@ -150,12 +158,19 @@ def train_sft(
     """Run (or resume) SFT; returns the run folder and the training client (to go on with RL)."""
     from treadle import ServiceClient
 
-    run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
-    sequences = pack_examples(train, config.max_length) if config.pack else list(train)
+    run = RunDir(
+        config.run_dir,
+        config,
+        mlflow_uri=config.mlflow_uri,
+        wandb_project=config.wandb_project,
+        wandb_name=config.wandb_name,
+    )
+    sequences = training_sequences(config, train)
     svc = service or ServiceClient(base_url=config.base_url)
     training_client, start, _ = open_training_client(
         svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
     )
+    announce(svc, sft_run_plan(config, sequences, test))  # the run's cost, before it runs
     bar = step_bar("sft", start, config.max_steps)
     for step in bar:
         rng = step_rng(config.seed, step)
@@ -187,4 +202,5 @@ def train_sft(
             state = training_client.save_state(f"sft-{step + 1:06d}").result().path
             run.log_checkpoint(step + 1, state_path=state)
         bar.set_postfix(nll=f"{loss:.3f}")
+    run.close()
     return run, training_client

@@ -32,6 +32,7 @@ class WorkerConfig:
     snapshot_every_s: float = 60.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    otel_endpoint: str | None = None  # OTLP/HTTP traces (treadle.protocol.tracing)
 
     @property
     def artifacts_dir(self) -> Path:

@@ -44,7 +44,7 @@ def metered(svc: ServiceClient, session_id: str) -> dict:
 
 
 def run_session(run) -> str:
-    return run.service.session_id
+    return run.session_id
 
 
 def test_sft_estimate_is_the_metered_cost(priced_server, tmp_path, capsys):

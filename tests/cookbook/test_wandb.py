@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -77,13 +78,19 @@ def test_chat_sft_logs_to_wandb_offline(treadle_server, tmp_path, monkeypatch):
     )
     run = chat_sft.main(cfg)
     (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    records = wandb_records(log)
+    # W&B's own process writes the file: wait for its last record
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        records = wandb_records(log)
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
+        time.sleep(0.2)
     (start,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (start.project, start.display_name) == ("treadle-tests", "chat-sft")
     config = {i.key: json.loads(i.value_json) for i in start.config.update}
     assert config["batch_size"] == 4 and config["max_steps"] == 3 and config["model"] == MODEL
     history = [
-        {i.key: json.loads(i.value_json) for i in r.history.item}
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
@@ -93,4 +100,4 @@ def test_chat_sft_logs_to_wandb_offline(treadle_server, tmp_path, monkeypatch):
         for key in ("train/nll", "lr", "train/tokens"):
             assert h[key] == pytest.approx(m[key], rel=1e-12)
     assert "test/nll" in history[1]
-    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # the run finished
+    assert records[-1].WhichOneof("record_type") == "exit"  # the run finished

@@ -52,6 +52,7 @@ class RunDir:
         self._client = None  # the training client whose server also gets the metrics
         self._report_failed = False
         self.service = None  # the service client (its usage: the metered cost)
+        self.session_id: str | None = None  # its server session (the usage report's key)
         self._meter: CostMeter | None = None
 
     def attach(self, training_client, service=None) -> None:
@@ -60,6 +61,7 @@ class RunDir:
         self._client = training_client
         if service is not None:
             self.service, self._meter = service, CostMeter(service)
+            self.session_id = getattr(service, "session_id", None)
 
     def close(self) -> None:
         """Finish the trackers' runs (W&B writes its summary then)."""

@@ -26,13 +26,12 @@ class ObserveRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500  # an exception before the answer started: the server error it becomes
         t0 = time.perf_counter()
+        answer = [500]  # an exception before the answer started: the server error it becomes
 
         async def noted(message: dict) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                answer[0] = message["status"]
             await send(message)
 
         tracer = tracing.tracer()
@@ -40,9 +39,9 @@ class ObserveRequests:
             try:
                 await self.app(scope, receive, noted)
             finally:
-                self._count(scope, status, time.perf_counter() - t0)
+                self._count(scope, answer[0], time.perf_counter() - t0)
             return
-        await self._traced(tracer, scope, receive, send, t0)
+        await self._traced(tracer, scope, receive, noted, answer, t0)
 
     def _count(self, scope: dict, status: int, seconds: float) -> None:
         route = _route_of(scope, status)
@@ -50,19 +49,13 @@ class ObserveRequests:
         metrics.HTTP_REQUESTS.labels(route, method, str(status)).inc()
         metrics.HTTP_SECONDS.labels(route, method).observe(seconds)
 
-    async def _traced(self, tracer: Any, scope: dict, receive: Any, send: Any, t0: float) -> None:
+    async def _traced(
+        self, tracer: Any, scope: dict, receive: Any, send: Any, answer: list[int], t0: float
+    ) -> None:
         from opentelemetry import propagate
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        status = 500
-
-        async def noted(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         method = scope["method"]
         with tracer.start_as_current_span(
             method,
@@ -71,8 +64,9 @@ class ObserveRequests:
             attributes={"http.request.method": method, "url.path": scope.get("path", "")},
         ) as span:
             try:
-                await self.app(scope, receive, noted)
+                await self.app(scope, receive, send)
             finally:
+                status = answer[0]
                 route = _route_of(scope, status)
                 span.update_name(f"{method} {route}")
                 span.set_attribute("http.route", route)

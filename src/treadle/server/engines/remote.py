@@ -83,7 +83,6 @@ class WorkerEngine(EngineClient):
         self._call_ids = itertools.count()
         self.worker: messages.Hello | None = None
         # what the metrics know of the workers (treadle.server.observe.metrics)
-        self._attached = 0  # workers that said HELLO: each after the first is a restart
         self._faulted = False  # the worker said FAULT: its loss is counted as that cause
         self._stats = messages.WorkerStats()  # its last heartbeat's
 
@@ -188,11 +187,13 @@ class WorkerEngine(EngineClient):
             self._ready = False
             self._live.clear()
             self.facts = hello.facts
+            # the same worker saying HELLO again (it lost the API, or the API lost it) is no
+            # restart, and its counters go on; a new worker counts from 0
+            restarted = self.worker is not None and self.worker.worker_id != hello.worker_id
+            if self.worker is None or restarted:
+                self._stats = messages.WorkerStats()
             self.worker = hello
-            self._attached += 1
-            restarted = self._attached > 1
             self._faulted = False
-            self._stats = messages.WorkerStats()  # a new worker counts from 0
             # replays of an earlier restore that never finished: the new one replays again
             for rid, op in list(self._sent.items()):
                 if op.replay:

@@ -46,8 +46,8 @@ class ObserveRequests:
     def _count(self, scope: dict, status: int, seconds: float) -> None:
         route = _route_of(scope, status)
         method = scope["method"]
-        metrics.HTTP_REQUESTS.labels(route, method, str(status)).inc()
-        metrics.HTTP_SECONDS.labels(route, method).observe(seconds)
+        metrics.child(metrics.HTTP_REQUESTS, route, method, str(status)).inc()
+        metrics.child(metrics.HTTP_SECONDS, route, method).observe(seconds)
 
     async def _traced(
         self, tracer: Any, scope: dict, receive: Any, send: Any, answer: list[int], t0: float

@@ -80,11 +80,13 @@ class MetricsListener:
         with self._lock:
             notes = [(o, n) for o in outcomes if (n := self._filed.pop(o.request_id, None))]
         for o, n in notes:
-            metrics.OPS.labels(n.kind, "done" if o.succeeded else "failed").inc()
+            metrics.child(metrics.OPS, n.kind, "done" if o.succeeded else "failed").inc()
             if o.started_at is not None:
-                metrics.OP_QUEUE.labels(n.kind).observe(max(0.0, o.started_at - n.filed_at))
+                queued = max(0.0, o.started_at - n.filed_at)
+                metrics.child(metrics.OP_QUEUE, n.kind).observe(queued)
             if o.finished_at is not None:
-                metrics.OP_LATENCY.labels(n.kind).observe(max(0.0, o.finished_at - n.filed_at))
+                latency = max(0.0, o.finished_at - n.filed_at)
+                metrics.child(metrics.OP_LATENCY, n.kind).observe(latency)
             if o.succeeded:
                 u = o.usage
                 for kind, count in (
@@ -93,7 +95,7 @@ class MetricsListener:
                     ("train", u.train_tokens),
                 ):
                     if count:
-                        metrics.TOKENS.labels(kind, n.tenant).inc(count)
+                        metrics.child(metrics.TOKENS, kind, n.tenant).inc(count)
 
     def __len__(self) -> int:
         with self._lock:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
@@ -99,6 +100,19 @@ DB_COMMIT_SECONDS = Histogram(
     "Time of one journal transaction (a batch of request rows and results)",
     buckets=COMMIT_BUCKETS,
 )
+
+
+_CHILDREN: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, cached: the hot path (a request, an op) skips the client's
+    label checks and lock after the first time (a race makes the same child twice: harmless)."""
+    key = (id(metric), labels)
+    found = _CHILDREN.get(key)
+    if found is None:
+        found = _CHILDREN[key] = metric.labels(*labels)
+    return found
 
 
 def fault_cause(reason: str) -> str:

@@ -44,6 +44,12 @@ class AuthError(TreadleError, PermissionError):
     status, category = 401, "user"
 
 
+class ForbiddenError(AuthError):
+    """A valid key that may not do this (an operator's endpoint, for a tenant's key)."""
+
+    status = 403
+
+
 class NotFoundError(TreadleError, LookupError):
     """A model, session, request or checkpoint that does not exist (or is not yours)."""
 

@@ -397,6 +397,7 @@ LISTINGS |= {
     ("GET", "/console/sessions"),
     ("GET", "/console/checkpoints"),
     ("GET", "/console/usage"),
+    ("GET", "/console/playground"),  # what the tenant may chat with: its own, and the bases
     ("GET", "/api/v1/treadle/console/overview"),
     ("GET", "/api/v1/treadle/console/sessions"),
     ("GET", "/api/v1/treadle/console/checkpoints"),
@@ -410,6 +411,8 @@ NO_RESOURCE = {
     ("POST", "/api/v1/telemetry"): "accepted and dropped",
     ("GET", "/api/v1/get_server_capabilities"): "the served base models",
     ("GET", "/api/v1/treadle/status"): "worker groups' health: counts only, no tenant's ids",
+    ("GET", "/api/v1/treadle/prices"): "the served models' price table",
+    ("GET", "/metrics"): "an operator's: a tenant's key gets 403 (tests/server/observe)",
     ("POST", "/api/v1/create_session"): "makes a session of the caller",
     ("POST", "/api/v1/save_weights_external"): "always refused",
     ("GET", "/api/v1/treadle/models/{name}/tokenizer"): "a served base model's tokenizer",

@@ -8,6 +8,7 @@ treadle hf-cache --model treadle/tiny-llama=.models/tiny-llama
 treadle demo
 treadle plot runs/demo
 treadle status
+treadle estimate --recipe math_rl --config math.json
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     from treadle.cli.status import add_parser as add_status_parser
 
     add_status_parser(sub)  # treadle status
+
+    from treadle.cli.estimate import add_parser as add_estimate_parser
+
+    add_estimate_parser(sub)  # treadle estimate
     return parser
 
 

@@ -22,6 +22,7 @@ from urllib.parse import urlencode
 
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.errors import NotFoundError
+from treadle.client.estimate import CostEstimate, RunPlan, price
 from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
 from treadle.client.session import ServerSession
@@ -178,6 +179,21 @@ class ServiceClient:
         params = {k: v for k, v in (("since", since), ("by", by)) if v is not None}
         path = "/api/v1/treadle/usage" + (f"?{urlencode(params)}" if params else "")
         return self.transport.call(self.transport.get(path))
+
+    def get_prices(self) -> dict[str, dict[str, float] | None]:
+        """The server's price table: per served model, $ per million prefill / sample /
+        train tokens (None: the model is not charged)."""
+        return self.transport.call(self.transport.get("/api/v1/treadle/prices"))["prices"]
+
+    def estimate_cost(self, plan: RunPlan) -> CostEstimate:
+        """A run's tokens (a RunPlan: treadle.client.estimate, or the cookbook's plan of a
+        recipe) priced with the server's table: low, expected and high cost."""
+        prices = self.get_prices()
+        if plan.model not in prices:
+            raise NotFoundError(
+                f"model {plan.model!r} is not served here; served: {sorted(prices)}"
+            )
+        return price(plan, prices[plan.model])
 
     # ---- training clients ----------------------------------------------------------------
 

@@ -41,6 +41,8 @@ class PreferenceConfig:
     save_every: int = 25
     seed: int = 0
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 @dataclass
@@ -165,7 +167,13 @@ def train_preference(
 
     if loss not in ("dpo", "kto"):
         raise ValueError(f"loss must be 'dpo' or 'kto', got {loss!r}")
-    run = RunDir(config.run_dir, {**config.__dict__, "loss": loss}, mlflow_uri=config.mlflow_uri)
+    run = RunDir(
+        config.run_dir,
+        {**config.__dict__, "loss": loss},
+        mlflow_uri=config.mlflow_uri,
+        wandb_project=config.wandb_project,
+        wandb_name=config.wandb_name,
+    )
     svc = service or ServiceClient(base_url=config.base_url)
     tc, start, last = open_training_client(
         svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
@@ -202,6 +210,7 @@ def train_preference(
             state = tc.save_state(f"{loss}-{step + 1:06d}").result().path
             run.log_checkpoint(step + 1, state_path=state, reference_path=reference_path)
         bar.set_postfix(loss=f"{metrics.get(f'train/{loss}_loss', float('nan')):.4f}")
+    run.close()
     return run
 
 

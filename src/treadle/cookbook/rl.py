@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
+from treadle.cookbook.estimate import announce, rl_run_plan
 from treadle.cookbook.rl_types import Env, EnvGroupBuilder, RLDataset, Trajectory, Transition
 from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar
 
@@ -52,6 +53,8 @@ class RLConfig:
     # ... and carry on its Adam moments too, as if the session went on (e.g. SFT then RL)
     load_optimizer: bool = False
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -237,7 +240,13 @@ def open_rl_run(
     data set: what every RL loop starts with."""
     from treadle import ServiceClient
 
-    run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
+    run = RunDir(
+        config.run_dir,
+        config,
+        mlflow_uri=config.mlflow_uri,
+        wandb_project=config.wandb_project,
+        wandb_name=config.wandb_name,
+    )
     svc = service or ServiceClient(base_url=config.base_url)
     training_client, start_step, _ = open_training_client(
         svc,
@@ -274,6 +283,7 @@ def train_rl(
     tokenizer is known; `on_step(step, metrics)` sees each step's metrics (e.g. to print a
     table). Returns the run folder with its metrics."""
     run, training_client, start_step, dataset = open_rl_run(config, make_dataset, service)
+    announce(run.service, rl_run_plan(config, dataset))  # the run's cost, before it runs
     sampling_client = training_client.save_weights_and_get_sampling_client()
     params, adam = sampling_and_adam(config)
     bar = step_bar("rl", start_step, config.max_steps)
@@ -311,6 +321,7 @@ def train_rl(
         run.log_metrics(config.max_steps, final)
         if on_step:
             on_step(config.max_steps, final)
+    run.close()
     return run
 
 

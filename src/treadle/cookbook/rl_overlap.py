@@ -286,6 +286,7 @@ def train_rl_overlapped(
                 on_step(config.max_steps, final)
     finally:
         pool.stop()
+    run.close()
     return run
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treadle import AdamParams, Datum, ModelInput
+from treadle.cookbook.estimate import announce, sft_run_plan
 from treadle.cookbook.run_dir import RunDir, open_training_client, step_bar, step_rng
 
 Example = tuple[list[int], list[float]]  # (tokens_T, weights_T): weight 1 where trained
@@ -44,6 +45,8 @@ class SFTConfig:
     save_every: int = 50
     seed: int = 0
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 # ---- rendering ----------------------------------------------------------------------------
@@ -143,12 +146,19 @@ def train_sft(
     """Run (or resume) SFT; returns the run folder and the training client (to go on with RL)."""
     from treadle import ServiceClient
 
-    run = RunDir(config.run_dir, config, mlflow_uri=config.mlflow_uri)
+    run = RunDir(
+        config.run_dir,
+        config,
+        mlflow_uri=config.mlflow_uri,
+        wandb_project=config.wandb_project,
+        wandb_name=config.wandb_name,
+    )
     sequences = training_sequences(train, config.max_length)
     svc = service or ServiceClient(base_url=config.base_url)
     training_client, start, _ = open_training_client(
         svc, run, config.model, config.lora_rank, config.lora_alpha, config.seed
     )
+    announce(svc, sft_run_plan(config, sequences, test))  # the run's cost, before it runs
     bar = step_bar("sft", start, config.max_steps)
     for step in bar:
         rng = step_rng(config.seed, step)
@@ -180,4 +190,5 @@ def train_sft(
             state = training_client.save_state(f"sft-{step + 1:06d}").result().path
             run.log_checkpoint(step + 1, state_path=state)
         bar.set_postfix(nll=f"{loss:.3f}")
+    run.close()
     return run, training_client

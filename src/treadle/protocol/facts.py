@@ -52,6 +52,8 @@ class ReplicaStatus:
     device: str | None = None  # what the worker said it runs on (cpu, cuda x4 (nccl, fsdp))
     model_ids: tuple[str, ...] = ()  # the training sessions placed on it
     queue_depth: int = 0  # ops handed to it whose outcome has not come back
+    running: int = 0  # of those, in its engine now (its last heartbeat)
+    decode_batch: int = 0  # sample ops in its decode batch (its last heartbeat)
 
 
 @dataclass
@@ -63,3 +65,4 @@ class StateSnapshot:
     seq_id: int
     dir: str
     samplers: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # how long writing it took (the API's snapshot metric)

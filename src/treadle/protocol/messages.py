@@ -57,7 +57,7 @@ class Kind(enum.StrEnum):
     REFS = "refs"  # sampler weights the worker now holds / dropped
     SNAPSHOT = "snapshot"  # a model's state was written to disk up to a seq_id
     FAULT = "fault"  # the engine cannot go on: the worker exits (treadle.protocol.faults)
-    HEARTBEAT = "heartbeat"
+    HEARTBEAT = "heartbeat"  # from a worker: its WorkerStats
     REJOIN = "rejoin"  # the API does not know this worker (any more): say HELLO again
     SHUTDOWN = "shutdown"  # drain what was acknowledged, snapshot, exit
 
@@ -105,6 +105,19 @@ class Fault:
 
 
 @dataclass
+class WorkerStats:
+    """The body of a worker's heartbeat: what its engine loop is doing now, and counters
+    since the worker started (the API turns them into its metrics: a new worker starts them
+    from 0 again). An empty heartbeat body (an older worker) says nothing."""
+
+    running: int = 0  # ops in the engine now: the current call's, and the decode batch's
+    decode_batch: int = 0  # sample ops in the decode batch
+    calls: dict[str, int] = field(default_factory=dict)  # engine calls by kind (train, ...)
+    decode_steps: int = 0
+    decode_rows: int = 0  # sample ops summed over decode steps (÷ steps: the mean batch)
+
+
+@dataclass
 class ProgressMsg:
     items: list[Progress]
 
@@ -118,6 +131,7 @@ class _OpMsg:
     replay: bool
     payload: msgspec.Raw
     faults: int = 0
+    trace: str | None = None  # W3C traceparent (treadle.protocol.tracing); None: tracing off
 
 
 _RESULT_TYPES: dict[str, type] = {
@@ -187,7 +201,9 @@ def decode_payload(kind: OpKind, data: bytes | memoryview) -> Payload:
 def encode_op(op: Op, payload: bytes | None = None) -> bytes:
     raw = msgspec.Raw(payload if payload is not None else encode_payload(op.payload))
     return encode(
-        _OpMsg(op.request_id, str(op.kind), op.model_id, op.seq_id, op.replay, raw, op.faults)
+        _OpMsg(
+            op.request_id, str(op.kind), op.model_id, op.seq_id, op.replay, raw, op.faults, op.trace
+        )
     )
 
 
@@ -195,7 +211,16 @@ def decode_op(data: bytes | memoryview) -> Op:
     m = decode(data, _OpMsg)
     kind = OpKind(m.kind)
     payload = decode_payload(kind, m.payload)
-    return Op(m.request_id, kind, payload, m.model_id, m.seq_id, replay=m.replay, faults=m.faults)
+    return Op(
+        m.request_id,
+        kind,
+        payload,
+        m.model_id,
+        m.seq_id,
+        replay=m.replay,
+        faults=m.faults,
+        trace=m.trace,
+    )
 
 
 @dataclass

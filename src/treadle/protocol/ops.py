@@ -217,6 +217,9 @@ class Op:
     # runs alone, so that the next fault, if any, names the op that caused it.
     faults: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
+    # The W3C traceparent of the request that filed it, when tracing is on (None when off):
+    # the worker's span of the engine call it runs in is a child of it (treadle.protocol.tracing)
+    trace: str | None = None
     # The payload as the op log stores it and as a worker receives it (encoded once)
     encoded: bytes | None = field(default=None, repr=False, compare=False)
 

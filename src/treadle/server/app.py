@@ -20,7 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.artifacts import folders as artifacts
 from treadle.errors import TreadleError
+from treadle.protocol import tracing
 from treadle.server.api import errors as api_errors
+from treadle.server.api import metrics as metrics_route
 from treadle.server.api.middleware import KeyIdMiddleware, TenantMiddleware
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
@@ -51,6 +53,10 @@ from treadle.server.core.state import ServerState
 from treadle.server.engines.served import Engines
 from treadle.server.engines.threads import EngineFactory, default_engine_factory
 from treadle.server.engines.workers import Hooks, Workers
+from treadle.server.observe.http import ObserveRequests
+from treadle.server.observe.listener import MetricsListener
+from treadle.server.observe.metrics import LIVE
+from treadle.server.observe.tracing import RequestTracing
 from treadle.server.registry.bindings import Bindings
 from treadle.server.registry.sources import packages_root
 from treadle.server.storage.database import Store
@@ -80,7 +86,15 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         journal.start()
         spend = SpendBook(store.engine, config.prices)
         spend_listener = SpendListener(spend)  # every op is charged, console or not
-        listeners: list[OutcomeListener] = [spend_listener]
+        listeners: list[OutcomeListener] = [
+            spend_listener,
+            MetricsListener(config.metrics_max_tenants),
+        ]
+        # traces: off (and free) unless an OTLP endpoint is configured
+        traced = tracing.setup(tracing.endpoint_of(config.otel_endpoint), "treadle-api")
+        request_tracing = RequestTracing(tracing.tracer()) if traced is not None else None
+        if request_tracing is not None:
+            listeners.append(request_tracing)
         console = Console(config, journal) if config.console else None
         if console is not None:
             listeners.append(console.recorder)
@@ -89,6 +103,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         await asyncio.to_thread(spend_listener.load)
         loop = asyncio.get_running_loop()
         state = _build_state(config, store, journal, loop, spend, listeners)
+        state.futures.tracing = request_tracing
+        LIVE.read = functools.partial(metrics_route.live_figures, state)  # read at each scrape
         recovery = Recovery(state)
         hooks = Hooks(
             on_outcomes=state.futures.finish,
@@ -123,6 +139,9 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             journal.stop()
             remove_filter()
             store.close()
+            LIVE.read = None
+            if traced is not None:
+                await asyncio.to_thread(tracing.shutdown)  # the last spans
 
     app = FastAPI(title="treadle", lifespan=lifespan)
     # Routes are matched in order, so the ones every call uses come first.
@@ -130,6 +149,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
     app.include_router(metrics_router)  # the loop's own metrics (log_metrics), console or not
+    app.include_router(metrics_route.router)  # GET /metrics: Prometheus (operators)
     # TreadleError goes through the routing layer's handler (the response is the answer);
     # a bare Exception handler runs in the server-error middleware, which re-raises after.
     app.add_exception_handler(TreadleError, api_errors.handle_error)
@@ -140,7 +160,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app.add_middleware(TenantMiddleware)  # runs before any body is read
     app.add_middleware(KeyIdMiddleware)  # the key's id, for per-key spend caps
     if config.console:  # the web console (/console) and its JSON (/api/v1/treadle/console)
-        add_console(app)  # its gate outermost: the login cookie and static files
+        add_console(app)  # its gate outside the API's: the login cookie and static files
+    app.add_middleware(ObserveRequests)  # outermost: counts (and traces) every answer
     return app
 
 

@@ -180,6 +180,18 @@ class ServerConfig(BaseModel):
     """Accept sequences up to this many tokens on every served model, past its own context
     length (positions it was not trained on: RoPE runs there, with whatever quality the
     model has); default each model's context."""
+    metrics_networks: str = ""
+    """Comma-separated networks (e.g. 10.1.2.0/24) whose clients may read GET /metrics
+    (Prometheus) without a key; from anywhere else it takes an admin key. Empty (the
+    default): an admin key always, once tenants exist. Never name the address a reverse
+    proxy forwards tenants' requests from (often 127.0.0.1)."""
+    metrics_max_tenants: int = 50
+    """Tenants that get a label of their own on the per-tenant metrics (the first ones seen);
+    the tokens of any later tenant are counted under tenant="other"."""
+    otel_endpoint: str | None = None
+    """Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://collector:4318),
+    from the API process and its workers: a trace per request (unset: the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT; neither: tracing off). Needs treadle[otel]."""
     limits: InputLimits = InputLimits()
 
     @field_validator("models")

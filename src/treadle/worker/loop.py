@@ -44,7 +44,9 @@ from typing import Any
 from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
 from treadle.protocol.facts import EngineFacts, SnapshotPolicy, StateSnapshot
 from treadle.protocol.faults import EngineFault, restore_id
+from treadle.protocol.messages import WorkerStats
 from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
+from treadle.worker.call_spans import trace_call
 from treadle.worker.calls import Call, run_call
 from treadle.worker.executor import OpExecutor
 from treadle.worker.idle_writes import Deferred, DeferredWrites, run_deferred
@@ -112,6 +114,10 @@ class EngineLoop:
         self._calls: deque[Call] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        # what the heartbeat reports (treadle.protocol.messages.WorkerStats): engine thread
+        # writes, the channel thread reads a copy (`stats()`); counters only grow
+        self._stats = WorkerStats()
+        self._in_call = 0  # ops of the engine call running now
         self._dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
 
@@ -296,7 +302,11 @@ class EngineLoop:
         """A slice of decode steps, until other work can run or a sample op ends."""
         deadline = time.monotonic() + DECODE_SLICE_S
 
-        def until() -> bool:
+        stats = self._stats
+
+        def until() -> bool:  # asked after every decode step
+            stats.decode_steps += 1
+            stats.decode_rows += self.executor.sampling
             if time.monotonic() > deadline:
                 return True
             with self._cond:
@@ -305,13 +315,31 @@ class EngineLoop:
                 return yield_decode(self.queues, self._runnable_samples_locked(), self._room())
 
         progress = self._progress if self._on_progress is not None else None
-        self._running(self.executor.decoding())
+        decoding = self.executor.decoding()
+        self._running(decoding)
         outcomes = self.executor.decode(until, progress)  # type: ignore[arg-type]
         self._running([])
+        for o in outcomes:  # a sample op's engine call: from joining the batch to its end
+            op = next((d for d in decoding if d.request_id == o.request_id), None)
+            if op is not None and op.trace and o.started_at and o.finished_at:
+                trace_call("decode", [op], o.started_at, o.finished_at)
         self._finish(outcomes)
 
     def _running(self, ops: list[Op]) -> None:
+        self._in_call = len(ops)
         self._record([op.request_id for op in ops])
+
+    def stats(self) -> WorkerStats:
+        """A copy of the loop's figures (any thread): the worker's heartbeat body."""
+        s = self._stats
+        sampling = self.executor.sampling
+        return WorkerStats(
+            running=max(self._in_call, sampling),
+            decode_batch=sampling,
+            calls=dict(s.calls),
+            decode_steps=s.decode_steps,
+            decode_rows=s.decode_rows,
+        )
 
     def _record(self, running_ids: list[str]) -> None:
         if self._on_running is not None:
@@ -361,12 +389,17 @@ class EngineLoop:
         self._running(step.ops)
         outcomes = self.executor.run_step(step)
         self._running([])
+        calls = self._stats.calls
+        calls[step.kind] = calls.get(step.kind, 0) + 1
         ready = []
         for outcome in outcomes:
             if isinstance(outcome, Deferred):
                 self.writes.add(outcome)
             else:
                 ready.append(outcome.timed(started))
+        if any(op.trace for op in step.ops):  # tracing is on (treadle.protocol.tracing)
+            ends = {o.request_id: o.finished_at for o in ready}
+            trace_call(step.kind, step.ops, started, time.time(), ends)
         with self._cond:
             for op in step.ops:
                 if op.kind != OpKind.SAMPLE and op.model_id in self.queues:
@@ -387,7 +420,9 @@ class EngineLoop:
         if seq_id < 0:
             return
         self.writes.snapshotted(model_id)
+        t0 = time.monotonic()
         snap: StateSnapshot = self.executor.snapshot_state(model_id, seq_id)
+        snap.seconds = time.monotonic() - t0
         self._on_snapshot(snap)
 
     def _maybe_run_deferred(self, idle: bool) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import zmq
 
 from treadle.errors import ErrorInfo
-from treadle.protocol import messages
+from treadle.protocol import messages, tracing
 from treadle.protocol.channel import TICK_S, Channel
 from treadle.protocol.facts import EngineFacts, StateSnapshot
 from treadle.protocol.faults import EXIT_ENGINE_FAULT, EngineFault
@@ -224,7 +224,8 @@ class Worker:
             self._hello()
         if now - self._last_beat >= TICK_S:
             self._last_beat = now
-            self.channel.send([Kind.HEARTBEAT.encode(), b""])
+            # the beat carries the loop's figures (the API's metrics: treadle.server.observe)
+            self.channel.send([Kind.HEARTBEAT.encode(), messages.encode(self.loop.stats())])
 
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
@@ -284,9 +285,14 @@ def run_worker(
 
     keep_crash_log(int(os.environ.get("RANK", "0")))
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
-    if in_group():
-        run_group(config, address, token, replica)
-        return
-    worker = Worker(config, address, token, replica)
-    signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
-    worker.run()
+    # spans of the engine calls, children of the API's request spans (off without endpoint)
+    tracing.setup(tracing.endpoint_of(config.otel_endpoint), "treadle-worker")
+    try:
+        if in_group():
+            run_group(config, address, token, replica)
+            return
+        worker = Worker(config, address, token, replica)
+        signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
+        worker.run()
+    finally:
+        tracing.shutdown()  # its last spans

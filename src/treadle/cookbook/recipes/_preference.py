@@ -27,6 +27,8 @@ class PreferenceRecipeConfig:
     save_every: int = 25
     seed: int = 0
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 def load_rows(source: str, limit: int) -> list[dict]:

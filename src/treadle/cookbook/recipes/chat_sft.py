@@ -41,6 +41,8 @@ class Config:
     save_every: int = 50
     seed: int = 0
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 def load_conversations(source: str, limit: int) -> list[list[dict]]:
@@ -53,6 +55,19 @@ def load_conversations(source: str, limit: int) -> list[list[dict]]:
     split = HF_SPLITS.get(source, ("train", None))[0]
     rows = datasets.load_dataset(source, split=f"{split}[:{limit}]")
     return [row["messages"] for row in rows]
+
+
+def plan_run(cfg: Config, svc):
+    """The run's tokens, before it runs (treadle estimate): its batches and evaluations."""
+    from treadle.cookbook.estimate import sft_run_plan
+    from treadle.cookbook.sft import training_sequences
+
+    sft = SFTConfig(**{k: v for k, v in asdict(cfg).items() if k in SFTConfig.__dataclass_fields__})
+    tokenizer = svc.get_tokenizer(cfg.model)
+    conversations = load_conversations(cfg.dataset, cfg.max_examples)
+    examples = [render_chat(tokenizer, m, cfg.max_length) for m in conversations]
+    test, train = examples[: cfg.n_test], examples[cfg.n_test :]
+    return sft_run_plan(sft, training_sequences(train, sft.max_length), test)
 
 
 def main(cfg: Config):

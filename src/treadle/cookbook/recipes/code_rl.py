@@ -72,6 +72,8 @@ class Config:
     load_checkpoint_path: str | None = None  # e.g. an SFT run's state
     load_optimizer: bool = False  # also carry on its Adam moments
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 def make_sandbox(cfg: Config):

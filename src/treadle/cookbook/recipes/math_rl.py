@@ -52,6 +52,8 @@ class Config:
     load_checkpoint_path: str | None = None  # e.g. an SFT run's state
     load_optimizer: bool = False  # also carry on its Adam moments
     mlflow_uri: str | None = None
+    wandb_project: str | None = None  # log to Weights & Biases too (tinker-cookbook's names)
+    wandb_name: str | None = None
 
 
 def make_dataset_fn(cfg: Config):
@@ -75,6 +77,15 @@ def make_dataset_fn(cfg: Config):
 def rl_config(cfg: Config) -> RLConfig:
     shared = {k: v for k, v in asdict(cfg).items() if k in RLConfig.__dataclass_fields__}
     return RLConfig(**shared, extra={k: v for k, v in asdict(cfg).items() if k not in shared})
+
+
+def plan_run(cfg: Config, svc):
+    """The run's tokens, before it runs (treadle estimate): its prompts, completions of up
+    to max_tokens, its evaluations."""
+    from treadle.cookbook.estimate import rl_run_plan
+
+    dataset = make_dataset_fn(cfg)(svc.get_tokenizer(cfg.model))
+    return rl_run_plan(rl_config(cfg), dataset)
 
 
 def main(cfg: Config):

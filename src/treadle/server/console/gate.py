@@ -8,6 +8,10 @@ Pure ASGI, outside the TenantMiddleware, so the API's authentication stays the o
 - a GET of a console page or of its JSON endpoints that carries no key header gets the
   cookie's key as X-API-Key, and is then authenticated and scoped as any API call (only GETs:
   a cookie never authorises a request that changes anything);
+- the playground's chat (POST /v1/chat/completions) gets the cookie's key too, but only
+  from a page of this origin: with the X-Treadle-Console header (a page of another site
+  cannot send it without a CORS preflight, which this server never grants) and an Origin
+  header naming this host;
 - a console page answered 401 (no key, a revoked key) becomes a redirect to the login page.
 In development mode (no tenants) every page opens without a key.
 """
@@ -30,6 +34,8 @@ from treadle.server.tenancy.auth import request_key
 COOKIE = "treadle_console_key"
 PAGES = "/console"
 DATA = "/api/v1/treadle/console/"
+CHAT = "/v1/chat/completions"  # the playground's one call that changes something (metered)
+CONSOLE_HEADER = b"x-treadle-console"
 STATIC_DIR = Path(__file__).parent / "static"
 COOKIE_MAX_AGE_S = 7 * 86400
 
@@ -54,6 +60,9 @@ class ConsoleGate:
             await self.public(scope, receive, send)
             return
         page = path == PAGES or path.startswith(PAGES + "/")
+        if path == CHAT and scope["method"] == "POST":
+            await self.app(_playground_scope(scope), receive, send)
+            return
         if not page and not path.startswith(DATA):
             await self.app(scope, receive, send)
             return
@@ -65,6 +74,22 @@ class ConsoleGate:
         if page:
             send = _login_on_401(send, path)
         await self.app(scope, receive, send)
+
+
+def _playground_scope(scope: dict) -> dict:
+    """A chat call of the playground page carries the cookie's key; any other is untouched."""
+    headers = scope["headers"]
+    names = {name for name, _ in headers}
+    if CONSOLE_HEADER not in names or request_key(headers) is not None:
+        return scope
+    found = dict(headers)
+    origin = found.get(b"origin", b"").decode("latin-1")
+    if not origin or origin.split("://", 1)[-1] != found.get(b"host", b"").decode("latin-1"):
+        return scope  # not from a page of this server
+    key = _cookie(headers)
+    if not key:
+        return scope
+    return {**scope, "headers": [*headers, (b"x-api-key", key.encode("latin-1"))]}
 
 
 def _cookie(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -6,6 +6,7 @@
     /console                 overview          /console/sessions            sessions
     /console/sessions/{id}   one session       /console/checkpoints         checkpoints
     /console/usage           usage and cost    /console/download/{ref}      a version's tar
+    /console/playground      chat with a base model, a live training model or a checkpoint
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.templating import Jinja2Templates
 
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
 from treadle.server.api.deps import KeyDep, StateDep
+from treadle.server.api.openai.resolve import list_models
 from treadle.server.api.tinker import checkpoints as checkpoint_routes
 from treadle.server.console import timeline
 from treadle.server.console.deps import Viewer, ViewerDep, ViewsDep
@@ -134,6 +136,21 @@ def usage_page(
         return error_page(request, viewer, e)
     view = views.usage(viewer.scope(views, tenant), by or None, when)
     return render(request, viewer, "usage.html", view=view, groupings=metering.GROUPINGS)
+
+
+@router.get("/playground", response_class=HTMLResponse)
+async def playground_page(request: Request, state: StateDep, viewer: ViewerDep) -> HTMLResponse:
+    """Chat with what the viewer's key may sample: the served base models, its tenant's live
+    training models and its sampler checkpoints (the list GET /v1/models gives that key).
+    The page calls POST /v1/chat/completions itself, metered like any client's call."""
+    models = await list_models(state, viewer.tenant.tenant_id)
+    groups: dict[str, list[dict[str, Any]]] = {"base": [], "live": [], "checkpoint": []}
+    for m in models:
+        kind = "base" if m["owned_by"] == "treadle" else "checkpoint"
+        if kind == "checkpoint" and not m["id"].startswith("tinker://"):
+            kind = "live"
+        groups[kind].append(m)
+    return render(request, viewer, "playground.html", groups=groups)
 
 
 @router.get("/download/{ref}")

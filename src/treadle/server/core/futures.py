@@ -99,6 +99,8 @@ class Futures:
         self.keys = FiledKeys(journal)  # dedup key → request_id (treadle.server.core.dedup)
         # after a save's versions are committed: its group's retention (set by the app)
         self.after_saves: Callable[[list[Outcome]], None] = lambda outcomes: None
+        # traces (treadle.server.observe.tracing), set by the app when tracing is on
+        self.tracing: Any = None
 
     # ---- filing ----
     async def file(
@@ -146,8 +148,15 @@ class Futures:
         stream = isinstance(payload, Sample) and payload.stream
         self.expect(op.request_id, kind, tenant.tenant_id, stream=stream)
         write = functools.partial(insert_request, values=values)
+        traced = self.tracing.filing(op) if self.tracing is not None else None
         tell(self.listeners, lambda listener: listener.filed(op, values))
-        committed = self.journal.run(write, then=lambda _: engine.submit(op))
+
+        def hand_on(_: Any) -> None:  # the journal thread, once the row is committed
+            if traced is not None:
+                traced(op)  # the filing's span ends; its time queued begins
+            engine.submit(op)
+
+        committed = self.journal.run(write, then=hand_on)
         # bookkeeping in a callback, so that it happens even if this request is cancelled
         committed.add_done_callback(functools.partial(self._settled, key, op.request_id))
         if key is not None:

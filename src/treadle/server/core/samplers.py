@@ -75,6 +75,11 @@ class Samplers:
         """Recovery could not load this sampler's weights again: its 404 says why."""
         self._not_restored[sampling_session_id] = why
 
+    def live_count(self) -> int:
+        """Sampling sessions of this run whose session is active (the metrics' gauge)."""
+        rows = list(self._rows.values())
+        return sum(1 for s in rows if self.sessions.is_active(s.session_id))
+
     def loaded_count(self, tenant_id: str) -> int:
         """Samplers of the tenant loaded from saved checkpoints (they hold adapters)."""
         return sum(

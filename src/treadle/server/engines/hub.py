@@ -74,7 +74,7 @@ class WorkerHub:
         engine = self._by_identity.get(identity)
         if engine is None:  # a worker this API lost track of (or never knew): start over
             self.send(identity, Kind.REJOIN, b"")
-        elif kind != Kind.HEARTBEAT:
+        elif kind != Kind.HEARTBEAT or body:  # a beat's body: the worker's figures
             engine.handle(kind, body)
 
     def _hello(self, identity: bytes, hello: messages.Hello) -> None:

@@ -38,6 +38,7 @@ from treadle.protocol.faults import MAX_FAULTS, restore_id, restored_model
 from treadle.protocol.messages import Kind
 from treadle.protocol.ops import Op, OpKind, Outcome, Progress, Skip
 from treadle.server.engines.client import EngineClient, OnOutcomes, OnProgress, OnSnapshot
+from treadle.server.observe import metrics
 
 if TYPE_CHECKING:
     from treadle.server.engines.hub import WorkerHub
@@ -81,6 +82,9 @@ class WorkerEngine(EngineClient):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self.worker: messages.Hello | None = None
+        # what the metrics know of the workers (treadle.server.observe.metrics)
+        self._faulted = False  # the worker said FAULT: its loss is counted as that cause
+        self._stats = messages.WorkerStats()  # its last heartbeat's
 
     # ---- EngineClient ----
     def stop(self) -> None:
@@ -116,7 +120,19 @@ class WorkerEngine(EngineClient):
     def status(self) -> list[ReplicaStatus]:
         hello = self.worker
         pid, device = (hello.pid or None, hello.device) if hello else (None, None)
-        return [ReplicaStatus(self.replica, self.state(), pid, device, (), len(self._sent))]
+        live = self._stats if self._identity is not None else messages.WorkerStats()
+        return [
+            ReplicaStatus(
+                self.replica,
+                self.state(),
+                pid,
+                device,
+                (),
+                len(self._sent),
+                running=live.running,
+                decode_batch=live.decode_batch,
+            )
+        ]
 
     def is_live(self, ref: str) -> bool:
         with self._lock:
@@ -171,12 +187,20 @@ class WorkerEngine(EngineClient):
             self._ready = False
             self._live.clear()
             self.facts = hello.facts
+            # the same worker saying HELLO again (it lost the API, or the API lost it) is no
+            # restart, and its counters go on; a new worker counts from 0
+            restarted = self.worker is not None and self.worker.worker_id != hello.worker_id
+            if self.worker is None or restarted:
+                self._stats = messages.WorkerStats()
             self.worker = hello
+            self._faulted = False
             # replays of an earlier restore that never finished: the new one replays again
             for rid, op in list(self._sent.items()):
                 if op.replay:
                     del self._sent[rid]
         log.info("worker %s (pid %s) serves %s", hello.worker_id, hello.pid, self.name)
+        if restarted:
+            metrics.WORKER_RESTARTS.labels(self.name).inc()
         asyncio.run_coroutine_threadsafe(self._restore(), self._loop)
 
     def lost(self, reason: str) -> None:
@@ -188,6 +212,9 @@ class WorkerEngine(EngineClient):
             self._down_since = time.monotonic()
             calls = list(self._calls.values())
             self._calls.clear()
+            cause = "engine_fault" if self._faulted else metrics.fault_cause(reason)
+        if cause != "clean":
+            metrics.ENGINE_FAULTS.labels(self.name, cause).inc()
         log.warning("the worker of %s is gone (%s); waiting for a new one", self.name, reason)
         dead = EngineDeadError(f"the engine of {self.name!r} restarted during this call")
         for fut in calls:
@@ -213,11 +240,30 @@ class WorkerEngine(EngineClient):
                 self._live.update(refs.added)
                 self._live.difference_update(refs.dropped)
         elif kind == Kind.SNAPSHOT:
-            self._on_snapshot(messages.decode(body, StateSnapshot))
+            snap = messages.decode(body, StateSnapshot)
+            metrics.SNAPSHOT_SECONDS.labels(self.name).observe(snap.seconds)
+            self._on_snapshot(snap)
         elif kind == Kind.FAULT:
             fault = messages.decode(body, messages.Fault)
             log.error("the engine of %s faulted (%s)", self.name, fault.error)
+            self._faulted = True
             self.blame(fault.request_ids, fault.error)
+        elif kind == Kind.HEARTBEAT:
+            self._heard_stats(messages.decode(body, messages.WorkerStats))
+
+    def _heard_stats(self, now: messages.WorkerStats) -> None:
+        """A heartbeat's figures: its counters' growth since the last beat goes to the
+        metrics (the hub's IO thread, the only one that writes _stats)."""
+        last, name = self._stats, self.name
+        for kind, n in now.calls.items():
+            grown = n - last.calls.get(kind, 0)
+            if grown > 0:
+                metrics.ENGINE_CALLS.labels(name, kind).inc(grown)
+        if now.decode_steps > last.decode_steps:
+            metrics.DECODE_STEPS.labels(name).inc(now.decode_steps - last.decode_steps)
+        if now.decode_rows > last.decode_rows:
+            metrics.DECODE_ROWS.labels(name).inc(now.decode_rows - last.decode_rows)
+        self._stats = now
 
     def tick(self) -> None:
         """Hub thread: fail everything if the worker has been gone too long."""
@@ -238,8 +284,10 @@ class WorkerEngine(EngineClient):
 
     # ---- internals ----
     async def _restore(self) -> None:
+        t0 = time.monotonic()
         try:
             await self._on_ready(self)
+            metrics.RESTORE_SECONDS.labels(self.name).observe(time.monotonic() - t0)
         except EngineDeadError as e:  # its worker went away: the next one restores again
             log.warning("restoring the models of %s stopped: %s", self.name, e)
             return

@@ -25,11 +25,14 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
+
+from treadle.server.observe.metrics import DB_COMMIT_SECONDS
 
 log = logging.getLogger("treadle.journal")
 T = TypeVar("T")
@@ -126,9 +129,11 @@ class Journal:
 
     def _commit(self, batch: list[tuple[Write, Done]]) -> list[tuple[Any, BaseException | None]]:
         try:
+            t0 = time.perf_counter()
             conn = self._connection()
             values = [write(conn) for write, _ in batch]
             conn.commit()
+            DB_COMMIT_SECONDS.observe(time.perf_counter() - t0)  # the batch's transaction
             return [(v, None) for v in values]
         except Exception as e:
             self._rollback()

@@ -46,7 +46,10 @@ KEY_PREFIX = "tml-"  # the tinker SDK refuses keys without it
 KEY_ID_CHARS = 12  # the key's public part: "tml-" + 8 characters, shown by list-keys
 # Paths served without a key: the health check (launchers poll it before they hold a key)
 # and the API's own description.
-PUBLIC_PATHS = frozenset({"/api/v1/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+# /metrics checks its own access (an operator's: treadle.server.api.metrics)
+PUBLIC_PATHS = frozenset(
+    {"/api/v1/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/metrics"}
+)
 # Signed download links of checkpoint files: the signature is the grant, not a key.
 PUBLIC_PREFIXES = ("/api/v1/treadle/files/",)
 # How long what a key maps to (and "no tenant exists") is trusted before it is read again.

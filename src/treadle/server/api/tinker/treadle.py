@@ -58,6 +58,20 @@ def get_usage(
     )
 
 
+@router.get("/prices")
+def get_prices(state: StateDep) -> dict[str, Any]:
+    """The price table: per served model, $ per million prefill / sample / train tokens
+    (what usage is charged at; a model without a row is not charged). For estimates before
+    a run (ServiceClient.estimate_cost, `treadle estimate`)."""
+    return {
+        "unit": "USD per million tokens",
+        "prices": {
+            name: state.config.prices[name].model_dump() if name in state.config.prices else None
+            for name in state.config.models
+        },
+    }
+
+
 @router.get("/status")
 def get_status(state: StateDep) -> dict[str, Any]:
     """Each served model's worker groups (replicas): health, worker process, device, how

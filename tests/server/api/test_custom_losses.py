@@ -161,16 +161,24 @@ def test_server_side_equals_client_side(server, vocab, fn):
         assert got["loss:sum"] == pytest.approx(want["loss:sum"], rel=1e-6, abs=1e-6)
         for key in (k for k in want if k.startswith("custom/")):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
-        for a, b in zip(outs["server"].loss_fn_outputs, outs["client"].loss_fn_outputs):
-            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+        for a, b in zip(
+            outs["server"].loss_fn_outputs, outs["client"].loss_fn_outputs, strict=True
+        ):
+            np.testing.assert_allclose(
+                a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6
+            )
         assert weights["server"].keys() == weights["client"].keys()
         moved = 0.0
         for key, w in weights["server"].items():
             np.testing.assert_allclose(w, weights["client"][key], atol=1e-6, rtol=0, err_msg=key)
             moved = max(moved, float(np.abs(w).max()))
         assert moved > 1e-3  # the step moved the adapters (B starts at 0)
-        for a, b in zip(after["server"].loss_fn_outputs, after["client"].loss_fn_outputs):
-            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+        for a, b in zip(
+            after["server"].loss_fn_outputs, after["client"].loss_fn_outputs, strict=True
+        ):
+            np.testing.assert_allclose(
+                a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6
+            )
     finally:
         svc.close("success").result(timeout=30)
 

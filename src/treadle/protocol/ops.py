@@ -89,6 +89,7 @@ class CheckpointInfo:
     lora_config: dict[str, Any]
     tenant_id: str
     user_metadata: dict[str, Any] | None = None
+    ttl_s: int | None = None  # its files are deleted this long after the save
 
 
 @dataclass

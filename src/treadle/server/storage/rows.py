@@ -79,6 +79,8 @@ class ModelRow(Base):
     unloaded_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # a run of no session's (a copy_weights copy): the project it was copied into
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class RequestRow(Base):

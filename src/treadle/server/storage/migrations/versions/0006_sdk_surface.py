@@ -1,6 +1,7 @@
 """The rest of the Tinker SDK's surface: published checkpoints and their TTL (the row stays
 when its files are deleted at expiry), a session's project, the clients that joined a
-sampling session, uploaded custom losses, and external-weights uploads.
+sampling session, the project a copied run was copied into, uploaded custom losses, and
+external-weights uploads.
 
 Revision ID: 0006
 Revises: 0005
@@ -26,6 +27,7 @@ def upgrade() -> None:
     op.add_column("checkpoints", sa.Column("expired_at", when, nullable=True))
     op.create_index("ix_checkpoints_expires_at", "checkpoints", ["expires_at"])
     op.add_column("sessions", sa.Column("project_id", sa.String(128), nullable=True))
+    op.add_column("models", sa.Column("project_id", sa.String(128), nullable=True))
     op.create_index("ix_sessions_project_id", "sessions", ["project_id"])
     op.add_column(
         "sampling_sessions",
@@ -63,6 +65,8 @@ def downgrade() -> None:
     op.drop_table("custom_losses")
     with op.batch_alter_table("sampling_sessions") as batch:  # SQLite rebuilds the table
         batch.drop_column("clients")
+    with op.batch_alter_table("models") as batch:
+        batch.drop_column("project_id")
     op.drop_index("ix_sessions_project_id", "sessions")
     with op.batch_alter_table("sessions") as batch:
         batch.drop_column("project_id")

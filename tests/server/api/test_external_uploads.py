@@ -82,7 +82,10 @@ def test_an_uploaded_adapter_samples_as_peft_and_trains(server, adapter):
     again = httpx.put(url, content=(folder / "adapter_config.json").read_bytes())
     assert again.status_code == 409 and "used already" in again.text
     bob = Api(server.url, server.keys["bob"])
-    assert bob.post("external_weights_upload_finish", {"upload_id": started["upload_id"]}).status_code == 404
+    assert (
+        bob.post("external_weights_upload_finish", {"upload_id": started["upload_id"]}).status_code
+        == 404
+    )
     bob.close()
     done = api.ok("external_weights_upload_finish", {"upload_id": started["upload_id"]})
     path = done["tinker_path"]

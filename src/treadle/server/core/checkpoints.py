@@ -14,7 +14,7 @@ from treadle.artifacts import folders as artifacts
 from treadle.errors import NotFoundError
 from treadle.server.core.lifetime import check_live
 from treadle.server.storage.database import Store
-from treadle.server.storage.rows import CheckpointRow, ModelRow
+from treadle.server.storage.rows import CheckpointRow, ModelRow, SessionRow
 from treadle.server.tenancy.auth import owns
 
 
@@ -69,13 +69,21 @@ class Checkpoints:
         )
         return self.store.query(stmt.offset(offset).limit(limit)), self.store.count(stmt)
 
-    def runs_page(self, tenant_id: str, limit: int, offset: int) -> tuple[list[ModelRow], int]:
-        """The tenant's training runs (one per training model), newest first."""
+    def runs_page(
+        self, tenant_id: str, limit: int, offset: int, project_id: str | None = None
+    ) -> tuple[list[ModelRow], int]:
+        """The tenant's training runs (one per training model), newest first; of one
+        project's sessions (or copied into it) when `project_id` is given."""
         stmt = (
             select(ModelRow)
             .where(ModelRow.tenant_id == tenant_id)
             .order_by(ModelRow.created_at.desc())
         )
+        if project_id is not None:
+            in_project = select(SessionRow.session_id).where(SessionRow.project_id == project_id)
+            stmt = stmt.where(
+                ModelRow.session_id.in_(in_project) | (ModelRow.project_id == project_id)
+            )
         return self.store.query(stmt.offset(offset).limit(limit)), self.store.count(stmt)
 
     def newest_sampler_checkpoints(self, tenant_id: str, limit: int) -> list[CheckpointRow]:

@@ -32,11 +32,21 @@ GB = 1e9  # the storage billing unit
 
 @router.get("/billing/usage/events")
 def billing_usage_events(
-    state: StateDep, tenant: TenantDep, starting_on: dt.datetime, ending_before: dt.datetime
+    state: StateDep,
+    tenant: TenantDep,
+    starting_on: dt.datetime | None = None,
+    ending_before: dt.datetime | None = None,
 ) -> dict[str, Any]:
     """The tenant's metered tokens and new checkpoints in hourly buckets (at most 14 days),
-    per session and served model, priced from the server's price table."""
-    start, end = _utc(starting_on, "starting_on"), _utc(ending_before, "ending_before")
+    per session and served model, priced from the server's price table (without a window:
+    the last day, to the end of this hour)."""
+    end = dt.datetime.now(dt.UTC).replace(minute=0, second=0, microsecond=0)
+    end += dt.timedelta(hours=1)
+    if ending_before is not None:
+        end = _utc(ending_before, "ending_before")
+    start = end - dt.timedelta(days=1)
+    if starting_on is not None:
+        start = _utc(starting_on, "starting_on")
     return billing.usage_events(
         state.store.engine, state.config.prices, tenant.tenant_id, start, end
     )

@@ -69,9 +69,13 @@ def run_view(state: ServerState, row: ModelRow) -> TrainingRun:
 
 @router.get("/training_runs")
 def list_training_runs(
-    state: StateDep, tenant: TenantDep, limit: Limit = 20, offset: Offset = 0
+    state: StateDep,
+    tenant: TenantDep,
+    limit: Limit = 20,
+    offset: Offset = 0,
+    project_id: str | None = None,
 ) -> TrainingRunsResponse:
-    rows, total = state.checkpoints.runs_page(tenant.tenant_id, limit, offset)
+    rows, total = state.checkpoints.runs_page(tenant.tenant_id, limit, offset, project_id)
     return TrainingRunsResponse(
         training_runs=[run_view(state, r) for r in rows],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import update
 
@@ -38,10 +38,14 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/checkpoints/search")
 def search_checkpoints(
-    body: CheckpointSearchRequest, state: StateDep, tenant: TenantDep
+    state: StateDep,
+    tenant: TenantDep,
+    body: Annotated[CheckpointSearchRequest | None, Body()] = None,
 ) -> CheckpointSearchResponse:
     """The caller's checkpoints (and, with owner "accessible", those others published),
-    newest first, filtered by project, user metadata, type, base model or run."""
+    newest first, filtered by project, user metadata, type, base model or run (no body:
+    the first page of all of them)."""
+    body = body or CheckpointSearchRequest()
     rows, cursor = search.checkpoints(state.store, tenant.tenant_id, body)
     next_cursor = None
     if cursor is not None:
@@ -52,8 +56,13 @@ def search_checkpoints(
 
 
 @router.post("/sessions/search")
-def search_sessions(body: SessionSearchRequest, state: StateDep, tenant: TenantDep) -> dict:
+def search_sessions(
+    state: StateDep,
+    tenant: TenantDep,
+    body: Annotated[SessionSearchRequest | None, Body()] = None,
+) -> dict:
     """The caller's sessions, newest first (SessionSearchResponse)."""
+    body = body or SessionSearchRequest()
     found, cursor = search.sessions(state.store, tenant.tenant_id, body)
     next_cursor = None
     if cursor is not None:

@@ -170,3 +170,40 @@ def test_checkpoint_search_filters_and_pages(server):
     finally:
         for s in (svc, other):
             s.close("success").result(timeout=30)
+
+
+def test_session_search_filters_and_pages(server):
+    api = Api(server.url, server.keys["alice"])
+    made = []
+    for name in ("Nightly run A", "nightly run b", "other"):
+        sid = api.ok("create_session", {"tags": [], "display_name": name})["session_id"]
+        made.append(sid)
+    api.ok(f"sessions/{made[1]}/finish", {"reason": {"type": "success"}})
+    put = api.http.put(f"/api/v1/sessions/{made[0]}/project", json={"project_id": "night"})
+    assert put.status_code == 200
+
+    def search(**q) -> list[str]:
+        found, cursor = [], None
+        while True:
+            body = {**q, "limit": 1, **({"cursor": cursor} if cursor else {})}
+            page = api.ok("sessions/search", body)
+            found += [s["session_id"] for s in page["sessions"]]
+            if (cursor := page["next_cursor"]) is None:
+                return [s for s in found if s in made]
+
+    assert search(display_name="NIGHTLY run") == [made[1], made[0]]  # newest first
+    assert search(display_name="nightly", statuses=[{"type": "active"}]) == [made[0]]
+    assert search(statuses=[{"type": "client_finished"}]) == [made[1]]
+    assert search(project_ids=["night"]) == [made[0]]
+    assert search(session_id=made[2]) == [made[2]]
+    assert search(owner={"type": "user", "owner_urns": ["treadle:tenant:nobody"]}) == []
+    bob = Api(server.url, server.keys["bob"])
+    assert not set(made) & {
+        s["session_id"] for s in bob.ok("sessions/search", {"limit": 200})["sessions"]
+    }
+    assert (
+        bob.http.put(f"/api/v1/sessions/{made[2]}/project", json={"project_id": "x"}).status_code
+        == 404
+    )
+    bob.close()
+    api.close()

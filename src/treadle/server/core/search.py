@@ -95,8 +95,8 @@ def sessions(
         where.append(or_(*match))
     if q.project_ids is not None:
         where.append(s.c.project_id.in_(q.project_ids))
-    if q.statuses is not None:
-        wanted = {_status_of_query(x) for x in q.statuses}
+    if q.statuses is not None:  # failed and cancelled sessions do not exist here
+        wanted = {status for x in q.statuses if (status := _status_of_query(x)) is not None}
         where.append(s.c.status.in_(wanted))
     if q.cursor is not None:
         at, last = _utc(q.cursor.last_created_at), q.cursor.last_session_id
@@ -134,11 +134,10 @@ def _scan(store: Store, stmt: Select) -> Iterator[dict]:
         offset += SCAN
 
 
-def _status_of_query(query: dict[str, Any]) -> str:
-    kinds = {"active": "active", "client_finished": "finished"}
+def _status_of_query(query: dict[str, Any]) -> str | None:
+    """A SessionStatusQuery → the status column it matches (None: none here)."""
+    kinds = {"active": "active", "client_finished": "finished", "failed": None, "cancelled": None}
     kind = query.get("type")
-    if kind in ("failed", "cancelled"):
-        return f"({kind}: never here)"  # sessions are not failed or cancelled here
     if kind not in kinds:
         raise InvalidRequestError(f"statuses: unknown status {kind!r}")
     return kinds[kind]

@@ -20,10 +20,10 @@ import asyncio
 import datetime as dt
 import os
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
 from sqlalchemy import update
 
 from treadle.artifacts import folders as artifacts
@@ -99,7 +99,7 @@ def _insert(state: ServerState, values: dict[str, Any]) -> None:
         s.add(UploadRow(**values))
 
 
-async def receive(state: ServerState, token: str, request: Request) -> dict[str, Any]:
+async def receive(state: ServerState, token: str, body: AsyncIterator[bytes]) -> dict[str, Any]:
     """One file's body, at its signed single-use URL (no API key: the signature is the
     grant)."""
     claims = state.signer.verify(token, "upload")
@@ -115,7 +115,7 @@ async def receive(state: ServerState, token: str, request: Request) -> dict[str,
     folder.mkdir(parents=True, exist_ok=True)
     part = folder / f".part-{file}-{new_id()}"
     try:
-        await _read_exactly(request, part, size, file)
+        await _read_exactly(body, part, size, file)
         try:  # the claim: a link fails if another PUT of this URL got there first
             os.link(part, folder / file)
         except FileExistsError:
@@ -126,10 +126,10 @@ async def receive(state: ServerState, token: str, request: Request) -> dict[str,
     return {"upload_id": upload_id, "file": file, "size_bytes": size}
 
 
-async def _read_exactly(request: Request, path: Path, size: int, file: str) -> None:
+async def _read_exactly(body: AsyncIterator[bytes], path: Path, size: int, file: str) -> None:
     received = 0
     with open(path, "wb") as f:
-        async for chunk in request.stream():
+        async for chunk in body:
             received += len(chunk)
             if received > size:
                 raise InvalidRequestError(f"{file}: more than the {size} bytes declared")

@@ -45,7 +45,7 @@ async def external_weights_upload_start(
 @router.put("/treadle/uploads/{token}")
 async def upload_file(token: str, state: StateDep, request: Request) -> dict[str, Any]:
     """One file of an upload, at its signed URL (no API key: the signature is the grant)."""
-    return await uploads.receive(state, token, request)
+    return await uploads.receive(state, token, request.stream())
 
 
 @router.post("/external_weights_upload_finish")

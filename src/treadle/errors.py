@@ -90,6 +90,19 @@ class QuotaExceededError(TreadleError):
         return {"Retry-After": str(max(1, -int(-self.retry_after_s // 1)))}
 
 
+class StorageQuotaError(QuotaExceededError):
+    """A save over the tenant's storage quota (403: waiting does not free storage; deleting
+    checkpoints or setting their TTL does)."""
+
+    status = 403
+
+
+class RequestCancelledError(TreadleError):
+    """The request was cancelled (cancel_future, or its stream's client went away)."""
+
+    status, category = 409, "user"
+
+
 class EngineDeadError(TreadleError, RuntimeError):
     """The engine cannot serve any request any more (as opposed to one request failing)."""
 

@@ -137,7 +137,13 @@ def _alice_resources(alice: Api) -> dict[str, str]:
         alice.ok("save_weights", {"model_id": grouped, "seq_id": 1, "path": "v"})["request_id"]
     )
     version = saved["versions"][0] if saved.get("versions") else "grp-alice:1"
+    upload = alice.ok(
+        "external_weights_upload_start",
+        {"base_model": TINY, "name": "up-a", "files": {
+            "adapter_config.json": 10, "adapter_model.safetensors": 10}},
+    )["upload_id"]  # fmt: skip
     return {
+        "upload": upload,
         "grouped_model": grouped,
         "model": model,
         "state_path": state,
@@ -158,6 +164,7 @@ def _fakes(res: dict[str, str]) -> dict[str, str]:
     hexid = lambda: uuid.uuid4().hex[:16]  # noqa: E731
     session, run = hexid(), hexid()
     return {
+        "upload": hexid(),
         "grouped_model": f"{session}:train:1",
         "model": f"{session}:train:0",
         "state_path": f"tinker://{run}/weights/ck-a",
@@ -356,6 +363,75 @@ PROBES = {
         for k in ("model", "sampler", "sampler_path", "version")
     ],
 }
+_GRAPH = {"format": 1, "nodes": [
+    {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+    {"op": "call_method", "name": "s", "target": "sum", "args": [{"ref": "logprobs"}]},
+    {"op": "output", "name": "output", "target": "output",
+     "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}]},
+]}  # fmt: skip
+CHECKPOINT = "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}"
+PROBES.update(
+    {
+        ("POST", "/api/v1/retrieve_futures"): lambda r, b: [
+            (
+                "POST",
+                "/api/v1/retrieve_futures",
+                {"json": {"target": {"sampling_session_id": r[k]}, "timeout": 0}},
+            )
+            for k in ("sampler", "snapshot")
+        ],  # fmt: skip
+        ("POST", "/api/v1/cancel_future"): lambda r, b: [
+            ("POST", "/api/v1/cancel_future", {"json": {"request_id": r[k]}})
+            for k in ("request_fb", "request_sample")
+        ],
+        ("POST", "/api/v1/join_sampling_session"): lambda r, b: [
+            ("POST", "/api/v1/join_sampling_session", {"json": {"sampling_session_id": r[k]}})
+            for k in ("sampler", "snapshot")
+        ],
+        ("POST", "/api/v1/create_custom_loss"): lambda r, b: [
+            (
+                "POST",
+                "/api/v1/create_custom_loss",
+                {
+                    "json": {
+                        "session_id": r["session"],
+                        "custom_loss_seq_id": 0,
+                        "name": "l",
+                        "inputs": [{"name": "logprobs", "rank": 1}],
+                        "graph": _GRAPH,
+                    }
+                },
+            )
+        ],  # fmt: skip
+        ("POST", "/api/v1/copy_weights"): lambda r, b: [
+            (
+                "POST",
+                "/api/v1/copy_weights",
+                {"json": {"source_path": r[k], "destination_project_id": "p"}},
+            )
+            for k in ("state_path", "sampler_path")
+        ],  # fmt: skip
+        **{
+            (method, CHECKPOINT + "/publish"): lambda r, b, method=method: [
+                (
+                    method,
+                    f"/api/v1/training_runs/{r['run']}/checkpoints/sampler_weights/sp-a/publish",
+                    {},
+                )
+            ]  # fmt: skip
+            for method in ("POST", "DELETE")
+        },
+        ("PUT", "/api/v1/sessions/{session_id}/project"): lambda r, b: [
+            ("PUT", f"/api/v1/sessions/{r['session']}/project", {"json": {"project_id": "p"}})
+        ],
+        ("GET", "/api/v1/sessions/{session_id}/trace_export"): lambda r, b: [
+            ("GET", f"/api/v1/sessions/{r['session']}/trace_export", {})
+        ],
+        ("POST", "/api/v1/external_weights_upload_finish"): lambda r, b: [
+            ("POST", "/api/v1/external_weights_upload_finish", {"json": {"upload_id": r["upload"]}})
+        ],
+    }
+)
 # Listings: tenant B sees none of A's resources in them.
 LISTINGS = {
     ("GET", "/api/v1/sessions"),
@@ -364,6 +440,11 @@ LISTINGS = {
     ("GET", "/api/v1/treadle/checkpoints/groups"),
     ("GET", "/api/v1/treadle/usage"),
     ("GET", "/v1/models"),
+    ("POST", "/api/v1/checkpoints/search"),
+    ("POST", "/api/v1/sessions/search"),
+    ("GET", "/api/v1/billing/usage/events"),
+    ("GET", "/api/v1/billing/usage/checkpoints/current"),
+    ("GET", "/api/v1/audit"),
 }
 # The web console: its pages and JSON endpoints for one session, a version's download, and
 # the loop's own metrics (treadle.server.console).
@@ -420,6 +501,14 @@ NO_RESOURCE = {
     "own group namespace (a same-named group of another tenant is a different group)",
     ("GET", "/api/v1/treadle/files/{token}/{name}"): "a signed link: the signature is the grant; "
     "B cannot get one for A's checkpoint (external_weights_urls is probed)",
+    ("PUT", "/api/v1/treadle/uploads/{token}"): "a signed link of an upload: the signature is "
+    "the grant (B cannot finish A's upload: external_weights_upload_finish is probed)",
+    ("GET", "/api/v1/treadle/traces/{token}"): "a signed link of a session's trace: the "
+    "signature is the grant; B cannot get one for A's session (trace_export is probed)",
+    ("POST", "/api/v1/external_weights_upload_start"): "starts an upload of the caller's own",
+    ("GET", "/api/v1/auth/apikey/me"): "the presented key's own metadata",
+    ("DELETE", "/api/v1/auth/apikey/me"): "revokes the presented key itself, never another",
+    ("POST", "/api/v1/auth/token"): "exchanges the presented key for a token of it",
 }
 
 

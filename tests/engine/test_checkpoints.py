@@ -140,6 +140,41 @@ def test_import_external_peft_adapter(engine, model_dir, new_id, tmp_path, rslor
     engine.drop_adapter(aid)
 
 
+def test_a_peft_adapter_on_a_tied_lm_head_imports_as_peft_wrote_it(
+    engine, model_dir, new_id, tmp_path
+):
+    """peft saves lm_head.base_layer.weight beside a LoRA on an lm_head tied to the input
+    embedding: a copy of the base weight is taken, a changed one refused naming the key."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    config = LoraConfig(
+        r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False, lora_dropout=0.0
+    )
+    torch.manual_seed(1)
+    base = _base(model_dir)
+    assert base.config.tie_word_embeddings
+    peft_model = get_peft_model(base, config).eval()
+    peft_model.save_pretrained(tmp_path / "tied")
+    weights = tmp_path / "tied" / "adapter_model.safetensors"
+    key = "base_model.model.lm_head.base_layer.weight"
+    assert key in load_file(str(weights))  # what peft writes
+    aid = new_id()
+    engine.load_adapter(aid, tmp_path / "tied")
+    ids = _ids(engine)
+    torch.testing.assert_close(
+        _engine_logprobs(engine, aid, ids), _logprobs(peft_model, ids), rtol=1e-5, atol=1e-5
+    )
+    assert engine.bank.live(aid).spec.train_unembed
+    engine.drop_adapter(aid)
+
+    tensors = load_file(str(weights))
+    tensors[key] = tensors[key] + 0.01  # a changed base weight: not an adapter's to carry
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(InvalidRequestError, match=key.replace(".", r"\.")):
+        engine.load_adapter(new_id(), tmp_path / "tied")
+
+
 def _datum_for(engine):
     from treadle.engine.types import TrainDatum
 

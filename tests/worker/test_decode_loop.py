@@ -355,3 +355,60 @@ def test_yield_decode_gives_way_to_runnable_ops_only():
     assert not yield_decode(parked, [], room=8)
     assert yield_decode(parked, waiting, room=1)  # it joins in the next round
     assert not yield_decode(parked, waiting, room=0)  # the batch is full: decoding goes on
+
+
+# ---- cancellation (cancel_future) ----------------------------------------------------------
+
+
+def test_a_cancelled_generation_leaves_the_batch_between_decode_steps(loop, engine):
+    """The other rows of the batch go on exactly as alone; the cancelled op fails, metered
+    for its prompt and the tokens it had sampled, and its slot is free."""
+    log = loop.log
+    loop.submit(sample_op("doomed", max_tokens=500, seed=8, n=2, stream=True))
+    loop.submit(sample_op("kept", max_tokens=40, seed=9, stream=True))
+    log.wait(lambda: streamed_tokens(log, "doomed") >= 2 * 3 and streamed_tokens(log, "kept") >= 3)
+    assert loop.control("cancel", request_ids=["doomed", "nobody"]).result(WAIT) == ["doomed"]
+    log.wait(lambda: {"doomed", "kept"} <= log.outcomes.keys())
+    doomed = log.outcomes["doomed"]
+    assert doomed.error is not None and doomed.error.type == "RequestCancelledError"
+    assert doomed.usage.prompt_tokens == 4
+    sampled = doomed.usage.sampled_tokens
+    assert streamed_tokens(log, "doomed") <= sampled < 2 * 500
+    assert loop.executor.sampling == 0  # its rows left: nothing decodes once "kept" ended
+    want = engine.sample([sample_op("k", 40, 9).payload.request])[0].sequences[0]
+    got = log.outcomes["kept"].result.sequences[0]
+    assert got.tokens == want.tokens
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    # cancelling what already finished stops nothing
+    assert loop.control("cancel", request_ids=["kept"]).result(WAIT) == []
+
+
+def test_a_cancelled_training_op_is_skipped_and_the_ops_after_it_run(loop):
+    log = loop.log
+    create(loop, "m-c")
+    for seq in (2, 3):  # parked behind seq 1, which has not arrived
+        loop.submit(train_op("m-c", seq))
+    assert loop.control("cancel", request_ids=["m-c:2"]).result(WAIT) == ["m-c:2"]
+    loop.submit(train_op("m-c", 1))
+    log.wait(lambda: {"m-c:1", "m-c:2", "m-c:3"} <= log.outcomes.keys())
+    assert log.outcomes["m-c:1"].succeeded and log.outcomes["m-c:3"].succeeded
+    skipped = log.outcomes["m-c:2"]
+    assert skipped.error.type == "RequestCancelledError" and skipped.usage.train_tokens == 0
+    # the model's order holds: 1 ran before 3, and 2 in its place between them
+    assert log.at_step["m-c:1"] <= log.at_step["m-c:2"] <= log.at_step["m-c:3"]
+
+
+def test_a_queued_sample_op_is_cancelled_before_it_runs(make_loop):
+    loop = make_loop(max_sample_batch=1)
+    log = loop.log
+    loop.submit(sample_op("first", max_tokens=200, seed=10, stream=True))
+    log.wait(lambda: streamed_tokens(log, "first") >= 2)
+    loop.submit(sample_op("waiting", max_tokens=200, seed=11))  # the batch is full
+    assert loop.control("cancel", request_ids=["waiting"]).result(WAIT) == ["waiting"]
+    log.wait(lambda: "waiting" in log.outcomes)
+    waiting = log.outcomes["waiting"]
+    assert waiting.error.type == "RequestCancelledError"
+    assert (waiting.usage.prompt_tokens, waiting.usage.sampled_tokens) == (0, 0)  # nothing ran
+    assert "first" not in log.outcomes or log.outcomes["first"].succeeded
+    log.wait(lambda: "first" in log.outcomes)
+    assert len(log.outcomes["first"].result.sequences[0].tokens) == 200

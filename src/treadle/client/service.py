@@ -25,6 +25,7 @@ from treadle.client.errors import NotFoundError
 from treadle.client.estimate import CostEstimate, RunPlan, price
 from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
+from treadle.client.saved_checkpoints import SavedCheckpoints
 from treadle.client.session import ServerSession
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.training import TrainingClient
@@ -110,6 +111,7 @@ class ServiceClient:
         if encryption_key:
             self.transport.headers[ENCRYPTION_HEADER] = encryption_key
         self.checkpoints = CheckpointsClient(self.transport)
+        self.saved = SavedCheckpoints(self.transport)  # tinker:// checkpoints: search, TTL
         _open_clients.add(self)
 
     # ---- session ---------------------------------------------------------------------

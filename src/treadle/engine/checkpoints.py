@@ -50,6 +50,9 @@ PREFIX = "base_model.model."
 _KEY = re.compile(
     r"^base_model\.model\.(.+?)((?:\.base_layer)*)\.(lora_A|lora_B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
 )
+# peft saves the base weight of a targeted lm_head whose embedding is tied to it
+# (save_embedding_layers): a copy of the base model's, which the adapter does not change
+_BASE_KEY = re.compile(r"^base_model\.model\.(.+?)\.base_layer\.weight$")
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
 
 
@@ -150,6 +153,9 @@ def read_adapter(
     _check_peft_config(cfg)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
+        if (base := _BASE_KEY.match(key)) is not None:
+            _check_base_copy(bank, base.group(1), key, tensor)
+            continue
         m = _KEY.match(key)
         path = None if m is None else m.group(1)
         if m is not None and (m.group(2) or path in expert_modules(bank.experts)):
@@ -185,6 +191,27 @@ def read_adapter(
         raise InvalidRequestError(f"{ADAPTER_WEIGHTS} holds no LoRA weights")
     spec = _spec_of(folder, cfg, weights, bank)
     return spec, weights, scales
+
+
+def _check_base_copy(bank: AdapterBank, path: str, key: str, tensor: torch.Tensor) -> None:
+    """A base weight saved beside the LoRA (peft does, for an lm_head tied to the input
+    embedding) is taken when it is this model's own weight (as the adapter's dtype holds
+    it), refused naming the key otherwise: an adapter never changes base weights here."""
+    try:
+        weight = bank.model.get_submodule(path).weight
+    except AttributeError:
+        weight = None
+    same = (
+        isinstance(weight, torch.Tensor)
+        and weight.shape == tensor.shape
+        and torch.equal(weight.detach().to("cpu", tensor.dtype), tensor)
+    )
+    if not same:
+        raise InvalidRequestError(
+            f"{ADAPTER_WEIGHTS} key {key!r} holds a base weight of {path!r} that is not this "
+            "model's (an adapter may carry a copy of a base weight, as peft saves a tied "
+            "lm_head's, but not change it: only LoRA weights are trained here)"
+        )
 
 
 def _check_peft_config(cfg: dict) -> None:

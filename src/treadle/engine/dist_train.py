@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -127,9 +128,7 @@ def _local_batches(batches: list[TrainBatch], lo: int, hi: int) -> list[tuple[in
     for i, b in enumerate(batches):
         a, z = max(lo, row), min(hi, row + len(b.data))
         if a < z:
-            local.append(
-                (i, TrainBatch(b.adapter_id, b.data[a - row : z - row], b.loss_fn, b.loss_config))
-            )
+            local.append((i, dataclasses.replace(b, data=b.data[a - row : z - row])))
         row += len(b.data)
     return local
 

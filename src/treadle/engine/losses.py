@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treadle.engine.loss_graph_spec import validate_custom_batch
 from treadle.engine.specs import (
     CLIP_DEFAULTS,
     FLOAT_INPUTS,
@@ -159,6 +160,10 @@ FLOAT_KEYS = FLOAT_INPUTS
 def validate_batch(batch: TrainBatch, vocab_size: int, max_seq_len: int) -> None:
     """Raise InvalidRequestError naming the key, the expected and the received value; then
     fill the defaults of optional per-token inputs that the loss reads for every datum."""
+    if batch.custom is not None:  # an uploaded loss: its declared inputs (loss_graph_spec)
+        graph = batch.custom.graph  # type: ignore[attr-defined]
+        validate_custom_batch(graph, batch.data, vocab_size, max_seq_len, "datum {i}: ")
+        return
     validate_train_batch(
         batch.data,
         batch.loss_fn,

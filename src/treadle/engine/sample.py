@@ -166,6 +166,32 @@ class DecodeBatch:
                 self._harvest(cohort, finished)
         return handles
 
+    def drop(self, handles: set[int]) -> dict[int, int]:
+        """Stop decoding these requests (cancelled) between two steps: their rows leave the
+        batch at once and no result comes back for them; → tokens each had sampled."""
+        sampled: dict[int, int] = {}
+        with torch.inference_mode():  # the rows' tensors are inference tensors
+            for c in [self.cohort, *self.waiting]:
+                rows = [b for b, (h, _) in enumerate(c.owner) if h in handles] if c else []
+                if not rows:
+                    continue
+                for b, n in zip(rows, c.step[rows].tolist(), strict=True):
+                    sampled[c.owner[b][0]] = sampled.get(c.owner[b][0], 0) + int(n)
+                c.done[rows] = True
+                keep = (~c.done).nonzero().squeeze(1)  # (n',) the rows that go on
+                if len(keep):
+                    c.select(keep)
+                elif c is self.cohort:
+                    self.cohort = None
+                else:
+                    self.waiting.remove(c)
+        for h in handles:
+            p = self._pending.pop(h, None)
+            if p is not None:  # its samples that had finished already
+                sampled[h] = sampled.get(h, 0) + sum(len(q.tokens) for q in p.seqs if q)
+        self._ready = [(h, r) for h, r in self._ready if h not in handles]
+        return sampled
+
     # ---- decoding ----
     def step(
         self,

@@ -311,11 +311,11 @@ def _batch_loss(
     from their target logprobs lp (n, T) or (n, T, K)."""
     n, T = lp.shape[:2]
     device = lp.device
-    spec = LOSSES[batch.loss_fn]
+    custom = batch.custom  # a server-side custom loss (treadle.engine.loss_graph)
     top_k, sent = targets.top_k, targets.sent
     K = lp.shape[2] if top_k else None
     inputs: dict[str, torch.Tensor] = {}
-    for key in FLOAT_KEYS:
+    for key in FLOAT_KEYS if custom is None else ():
         if not any(key in d.loss_inputs for d in batch.data):
             continue
         if key == "weights":
@@ -333,7 +333,10 @@ def _batch_loss(
     real = torch.arange(T, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     if top_k:
         real = real[..., None] & _k_mask(sent, n, T, K, device)  # (n, T, K)
-    per_token = spec.fn(lp, inputs, batch.loss_config)  # (n, T[, K])
+    if custom is None:
+        per_token = LOSSES[batch.loss_fn].fn(lp, inputs, batch.loss_config)  # (n, T[, K])
+    else:
+        per_token = custom.per_token(lp, batch.data, sent)  # type: ignore[attr-defined]
     loss = torch.where(real, per_token, torch.zeros_like(per_token)).sum()
 
     lp_np = lp.detach().cpu().numpy()

@@ -13,6 +13,7 @@ pass held which of its rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import uuid
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ def _pieces(batches: list[TrainBatch], rows: list[tuple[int, int]]) -> list[Piec
         idx = [r for b, r in rows if b == i]
         src = batches[i]
         part = src.data[idx[0] : idx[-1] + 1]
-        out.append((i, TrainBatch(src.adapter_id, part, src.loss_fn, src.loss_config)))
+        out.append((i, dataclasses.replace(src, data=part)))
     return out
 
 

@@ -50,6 +50,8 @@ class TrainBatch:
     data: list[TrainDatum]
     loss_fn: str = "cross_entropy"
     loss_config: dict[str, float] = field(default_factory=dict)
+    # loss_fn "custom": the uploaded loss (treadle.engine.loss_graph.CustomLoss)
+    custom: object | None = None
 
 
 @dataclass

@@ -89,6 +89,7 @@ class CheckpointInfo:
     lora_config: dict[str, Any]
     tenant_id: str
     user_metadata: dict[str, Any] | None = None
+    ttl_s: int | None = None  # its files are deleted this long after the save
 
 
 @dataclass
@@ -106,10 +107,20 @@ class LoadWeights:
 
 
 @dataclass
+class CustomLossRef:
+    """A loss uploaded with create_custom_loss, as a train op carries it: the upload itself
+    (its name, inputs and graph, JSON), so that the op log replays exactly what ran."""
+
+    loss_id: str
+    upload: str
+
+
+@dataclass
 class TrainData:
     data: list[TrainDatum]
     loss_fn: str
     loss_config: dict[str, float]
+    custom: CustomLossRef | None = None  # loss_fn "custom" (treadle.engine.loss_graph)
 
     @property
     def n_tokens(self) -> int:

@@ -23,6 +23,7 @@ class CheckpointRecord:
     size_bytes: int
     tenant_id: str
     user_metadata: dict[str, Any] | None = None
+    expires_in_s: int | None = None  # its TTL (the API stamps expires_at as it commits)
 
 
 @dataclass

@@ -27,10 +27,13 @@ from treadle.server.api.middleware import KeyIdMiddleware, TenantMiddleware
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
 from treadle.server.api.tinker import (
+    account,
     checkpoints,
+    copies,
     futures,
     runs,
     sampling,
+    search,
     session,
     training,
     treadle,
@@ -39,8 +42,11 @@ from treadle.server.api.tinker import (
 from treadle.server.api.tinker.bodies import BodyLimit, limit_by_route
 from treadle.server.config import ServerConfig
 from treadle.server.console.wiring import Console, add_console, metrics_router
+from treadle.server.core import lifetime, uploads
 from treadle.server.core.board import FutureBoard
 from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.completions import Completions
+from treadle.server.core.custom_losses import CustomLosses
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.listeners import OutcomeListener
@@ -66,6 +72,7 @@ from treadle.server.tenancy.quotas import QuotaBook
 from treadle.server.tenancy.signing import Signer
 from treadle.server.tenancy.spend import SpendBook
 from treadle.server.tenancy.spend_listener import SpendListener
+from treadle.server.tenancy.tokens import TokenIssuer
 
 log = logging.getLogger("treadle.server")
 
@@ -129,6 +136,7 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             app.state.openai = OpenAIServing(state)
             _announce_mode(state.keyring)
             tasks.append(asyncio.create_task(_reap_idle_sessions(state)))
+            tasks.append(asyncio.create_task(_expire_checkpoints(state)))
             yield
         finally:
             for task in tasks:
@@ -146,6 +154,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     app = FastAPI(title="treadle", lifespan=lifespan)
     # Routes are matched in order, so the ones every call uses come first.
     for module in (futures, training, sampling, session, weights, runs, treadle, checkpoints):
+        app.include_router(module.router)
+    for module in (search, copies, account):  # the rest of the SDK's surface
         app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
     app.include_router(metrics_router)  # the loop's own metrics (log_metrics), console or not
@@ -177,8 +187,11 @@ def _build_state(
     keyring = KeyRing(
         store.engine, on_quotas=quotas.from_db.__setitem__, ttl_s=config.auth_cache_ttl_s
     )
+    keyring.tokens = TokenIssuer(config.jwt_ttl_s)
     admission = Admission(config.limits, quotas, config.rate_window_s, spend=spend)
     engines = Engines()
+    completions = Completions(loop, config.long_poll_s)  # retrieve_futures
+    listeners = [*listeners, completions]
     futures_ = Futures(
         journal,
         FutureBoard(loop),
@@ -192,6 +205,8 @@ def _build_state(
     bindings = Bindings(store, packages_root(config))
     checkpoints_ = Checkpoints(store)
     return ServerState(
+        custom_losses=CustomLosses(store, journal, sessions_, futures_),
+        completions=completions,
         config=config,
         store=store,
         journal=journal,
@@ -222,6 +237,17 @@ def _announce_mode(keyring: KeyRing) -> None:
         )
     else:
         log.info("tenants configured: every request needs an API key")
+
+
+async def _expire_checkpoints(state: ServerState) -> None:
+    """Checkpoints past their TTL: their files deleted (treadle.server.core.lifetime)."""
+    while True:
+        await asyncio.sleep(state.config.checkpoint_sweep_s)
+        try:
+            await asyncio.to_thread(lifetime.expire_due, state.store)
+            await asyncio.to_thread(uploads.sweep, state)
+        except Exception:
+            log.exception("checkpoint expiry")
 
 
 async def _reap_idle_sessions(state: ServerState) -> None:

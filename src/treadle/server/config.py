@@ -192,6 +192,23 @@ class ServerConfig(BaseModel):
     """Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g. http://collector:4318),
     from the API process and its workers: a trace per request (unset: the standard
     OTEL_EXPORTER_OTLP_ENDPOINT; neither: tracing off). Needs treadle[otel]."""
+    jwt_auth: bool = False
+    """Tell the tinker SDK to exchange its API key for a short-lived token first (POST
+    /api/v1/auth/token, its pjwt_auth_enabled) and send that instead; the exchange itself
+    works either way, and a token is accepted in place of its key until it expires."""
+    jwt_ttl_s: float = 3600.0
+    """How long a token from /api/v1/auth/token is accepted."""
+    batch_polling: bool = True
+    """The tinker SDK's samplers wait for their results through one long poll per sampling
+    client (retrieve_futures) and a copy of a sampling client joins its session for a
+    clone number of its own (join_sampling_session)."""
+    checkpoint_sweep_s: float = 30.0
+    """How often checkpoints past their TTL are deleted (their files; the row stays and
+    says so)."""
+    storage_price: float = 0.0
+    """USD per GB-month of checkpoint storage (billing/usage reports; 0: not charged)."""
+    upload_url_ttl_s: float = 3600.0
+    """How long the signed URLs of an external-weights upload stay valid."""
     limits: InputLimits = InputLimits()
 
     @field_validator("models")
@@ -245,7 +262,14 @@ class ServerConfig(BaseModel):
             raise ValueError(f"must be > 0, got {v}")
         return v
 
-    @field_validator("heartbeat_timeout_s", "long_poll_s", "parked_op_timeout_s")
+    @field_validator(
+        "heartbeat_timeout_s",
+        "long_poll_s",
+        "parked_op_timeout_s",
+        "jwt_ttl_s",
+        "checkpoint_sweep_s",
+        "upload_url_ttl_s",
+    )
     @classmethod
     def _positive(cls, v: float) -> float:
         if v <= 0:

@@ -27,6 +27,7 @@ from treadle.wire.forward_backward_request import (
     decode_forward_backward_request,
     encode_forward_backward_request,
     forward_backward_arrays,
+    loss_config,
     parse_forward_backward_request,
 )
 from treadle.wire.sample_response import (
@@ -52,6 +53,7 @@ __all__ = [
     "encode_forward_backward_request",
     "encode_sample_response",
     "forward_backward_arrays",
+    "loss_config",
     "parse_forward_backward_request",
     "tensor_array",
     "tensor_from_proto",

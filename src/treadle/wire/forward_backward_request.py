@@ -25,6 +25,7 @@ from treadle.types import (
 from treadle.wire import tinker_pb2 as pb
 from treadle.wire.tensors import _frombuffer, _parse, _tensor_data, tensor_array, tensor_to_proto
 
+CUSTOM_LOSS = "custom"  # loss_fn of an uploaded loss (ServiceClient.create_custom_loss)
 # Zero-length provenance runs a datum may carry beyond one run per position.
 MAX_EMPTY_SPANS = 16
 
@@ -112,14 +113,13 @@ def forward_backward_arrays(
     allocated: every loss input leads with its datum's model_input length, and all the loss
     inputs of the request hold at most `max_cells` cells together (a sparse tensor is
     densified only within that budget). loss_fn_config_v2 wins over the legacy map."""
-    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
-    for key, value in msg.loss_fn_config_v2.items():
-        kind = value.WhichOneof("value")
-        if kind is not None:
-            config[key] = value.number if kind == "number" else value.text
+    config = loss_config(msg)
     data, budget = [], max_cells
+    # a custom loss's inputs may be scalars or of any length (their ranks are the loss's:
+    # treadle.engine.loss_graph_spec); every other loss's lead with the model input
+    free = msg.loss_fn == CUSTOM_LOSS
     for i, d in enumerate(msg.data):
-        datum = _datum_arrays(d, f"data[{i}]", budget)
+        datum = _datum_arrays(d, f"data[{i}]", budget, free)
         budget -= sum(a.size for a in datum.loss_fn_inputs.values())
         data.append(datum)
     return ForwardBackwardArrays(
@@ -127,7 +127,18 @@ def forward_backward_arrays(
     )
 
 
-def _datum_arrays(msg: pb.Datum, field: str, max_cells: int) -> DatumArrays:
+def loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+    """The request's loss_fn_config: loss_fn_config_v2 (numbers and strings) over the
+    legacy map (numbers only)."""
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        if kind is not None:
+            config[key] = value.number if kind == "number" else value.text
+    return config
+
+
+def _datum_arrays(msg: pb.Datum, field: str, max_cells: int, free: bool = False) -> DatumArrays:
     parts = []
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -142,7 +153,8 @@ def _datum_arrays(msg: pb.Datum, field: str, max_cells: int) -> DatumArrays:
     inputs = {}
     for key, t in sorted(msg.loss_fn_inputs.items()):
         where = f"{field}.loss_fn_inputs[{key!r}]"
-        inputs[key] = tensor_array(t, where, lead=len(tokens), max_cells=max_cells)
+        lead = None if free and key != "target_tokens" else len(tokens)
+        inputs[key] = tensor_array(t, where, lead=lead, max_cells=max_cells)
         max_cells -= inputs[key].size
     return DatumArrays(
         tokens,

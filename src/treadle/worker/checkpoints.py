@@ -174,4 +174,5 @@ def _checkpoint(
         size_bytes=artifacts.dir_size(final),
         tenant_id=ckpt.tenant_id,
         user_metadata=ckpt.user_metadata,
+        expires_in_s=ckpt.ttl_s,
     )

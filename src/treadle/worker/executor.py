@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.engine.device_faults import is_device_fault
+from treadle.engine.loss_graph import custom_loss
 from treadle.engine.types import TrainBatch
 from treadle.protocol.faults import EngineFault
 from treadle.protocol.ops import (
@@ -107,12 +108,17 @@ class OpExecutor(LiveWeights):
         """One engine.forward_backward for all ops; if it fails and held several ops, each
         op is retried alone so that one bad request does not fail the others."""
         batches = []
-        for op in ops:
-            p = op.payload
-            assert isinstance(p, TrainData)
-            batches.append(TrainBatch(op.model_id, p.data, p.loss_fn, p.loss_config))
         try:
+            for op in ops:
+                p = op.payload
+                assert isinstance(p, TrainData)
+                custom = custom_loss(p.custom.upload) if p.custom is not None else None
+                batches.append(TrainBatch(op.model_id, p.data, p.loss_fn, p.loss_config, custom))
             results = self.engine.forward_backward(batches, forward_only)
+            for batch, result in zip(batches, results, strict=True):
+                if batch.custom is not None:  # its metrics, from the logprobs of the pass
+                    logprobs = [out["logprobs"] for out in result.outputs]
+                    result.metrics.update(batch.custom.metrics(batch.data, logprobs))
         except Exception as e:
             self.check_fault(e, ops)
             if len(ops) == 1:
@@ -197,6 +203,24 @@ class OpExecutor(LiveWeights):
         flights = [(self._flights.pop(h), result) for h, result in finished]
         self.release([flight.op for flight, _ in flights])  # and what compaction let go
         return [sample_outcome(f.op, r).timed(f.started_at) for f, r in flights]
+
+    def cancel_samples(self, request_ids: set[str], error: Exception) -> list[Outcome]:
+        """Stop these sample ops where they are in the decode batch (between two decode
+        steps): their rows leave it, their slots free, and each fails with `error`, metered
+        for what ran (its prompt and the tokens sampled so far)."""
+        handles = {h for h, f in self._flights.items() if f.op.request_id in request_ids}
+        if not handles or self._batch is None:
+            return []
+        sampled = self._batch.drop(handles)
+        flights = [self._flights.pop(h) for h in handles]
+        self.release([f.op for f in flights])
+        outcomes = []
+        for h, f in zip(handles, flights, strict=True):
+            outcome = Outcome.failed(f.op.request_id, error)
+            prompt = len(f.op.payload.request.prompt)  # type: ignore[union-attr]
+            outcome.usage = Usage(prompt_tokens=prompt, sampled_tokens=sampled.get(h, 0))
+            outcomes.append(outcome.timed(f.started_at))
+        return outcomes
 
     def decoding(self) -> list[Op]:
         """The sample ops in the decode batch."""

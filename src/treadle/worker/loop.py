@@ -41,11 +41,17 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from treadle.errors import EngineDeadError, InvalidRequestError, NotFoundError
+from treadle.errors import (
+    EngineDeadError,
+    ErrorInfo,
+    InvalidRequestError,
+    NotFoundError,
+    RequestCancelledError,
+)
 from treadle.protocol.facts import EngineFacts, SnapshotPolicy, StateSnapshot
 from treadle.protocol.faults import EngineFault, restore_id
 from treadle.protocol.messages import WorkerStats
-from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
+from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress, Skip
 from treadle.worker.call_spans import trace_call
 from treadle.worker.calls import Call, run_call
 from treadle.worker.executor import OpExecutor
@@ -173,6 +179,7 @@ class EngineLoop:
             "restore_model": self._restore,
             "snapshot_all": self._snapshot_all,
             "reset": self._reset,
+            "cancel": self._cancel,
         }
         fn = calls.get(name)
         if fn is None:
@@ -221,6 +228,31 @@ class EngineLoop:
         for model_id in models:
             self.executor.drop_model(model_id)
         self.executor.drop_all_refs()
+
+    def _cancel(self, request_ids: list[str]) -> list[str]:
+        """Engine thread, between rounds: stop these ops (→ the ids stopped). A queued sample
+        op leaves the queue; a generating one leaves the decode batch between two decode
+        steps, metered for what it sampled; a queued training op becomes a skip in its
+        seq_id's place, so the model's later ops run on. An op running in an engine call
+        now, or finished, is not stopped."""
+        ids = set(request_ids)
+        error = RequestCancelledError("cancelled (cancel_future) before it finished")
+        skip = Skip(ErrorInfo.of(error))
+        with self._cond:
+            dropped = [op for op in self.samples if op.request_id in ids]
+            self.samples = [op for op in self.samples if op.request_id not in ids]
+            self._arrived = [op for op in self._arrived if op.request_id not in ids]
+            skipped = []
+            for queue in self.queues.values():
+                for seq, op in list(queue.pending.items()):
+                    if op.request_id in ids and op.kind != OpKind.SKIP and not op.replay:
+                        queue.pending[seq] = Op(op.request_id, OpKind.SKIP, skip, op.model_id, seq)
+                        skipped.append(op.request_id)
+        self.executor.release(dropped)  # the weights they held since they arrived
+        outcomes = [Outcome.failed(op.request_id, error) for op in dropped]
+        outcomes += self.executor.cancel_samples(ids, error)
+        self._finish(outcomes)
+        return [o.request_id for o in outcomes] + skipped
 
     def _snapshot_all(self) -> None:
         """Every changed model's state now (at shutdown), after the writes already deferred."""

@@ -25,6 +25,7 @@ from treadle.server.tenancy.auth import (
     set_current_key_id,
     set_current_tenant,
 )
+from treadle.server.tenancy.tokens import is_token
 
 
 async def send_error(
@@ -67,8 +68,11 @@ class TenantMiddleware:
                 tenant = await keyring.authenticate(request_key(scope["headers"]))
             except AuthError as e:
                 path = scope.get("path", "")
+                # a token refused: the tinker SDK exchanges its key again and retries once
+                token = is_token(request_key(scope["headers"]))
+                challenge = b'Bearer error="invalid_token"' if token else b"Bearer"
                 await send_error(
-                    send, 401, str(e), path, headers=[(b"www-authenticate", b"Bearer")]
+                    send, 401, str(e), path, headers=[(b"www-authenticate", challenge)]
                 )
                 return
         scope.setdefault("state", {})["tenant"] = tenant

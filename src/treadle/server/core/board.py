@@ -32,6 +32,7 @@ class Filed:
 
     kind: OpKind
     tenant_id: str  # its owner: only they may poll it
+    engine: str | None = None  # the served model that runs it (cancel_future asks it)
     outcome: Outcome | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # a streamed op's Progress as it comes, then None once the outcome is in
@@ -54,9 +55,16 @@ class FutureBoard:
         self.max_kept = max_kept
         self.max_kept_bytes = max_kept_bytes
 
-    def expect(self, request_id: str, kind: OpKind, tenant_id: str, stream: bool = False) -> None:
+    def expect(
+        self,
+        request_id: str,
+        kind: OpKind,
+        tenant_id: str,
+        stream: bool = False,
+        engine: str | None = None,
+    ) -> None:
         updates = asyncio.Queue() if stream else None
-        self._filed[request_id] = Filed(kind, tenant_id, updates=updates)
+        self._filed[request_id] = Filed(kind, tenant_id, engine, updates=updates)
 
     def forget(self, request_id: str) -> None:
         self._filed.pop(request_id, None)

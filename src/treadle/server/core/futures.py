@@ -55,7 +55,7 @@ from treadle.server.core.board import FutureBoard
 from treadle.server.core.dedup import FiledKeys
 from treadle.server.core.limits import Admission
 from treadle.server.core.listeners import OutcomeListener, tell
-from treadle.server.core.results import encode, error_json, finished_of_row
+from treadle.server.core.results import JSON_TYPE, encode, error_json, finished_of_row
 from treadle.server.core.saves import commit_saved
 from treadle.server.core.sequences import insert_records
 from treadle.server.engines.client import EngineClient
@@ -66,7 +66,7 @@ from treadle.server.storage.queries import (
     insert_request,
     request_row,
 )
-from treadle.server.storage.rows import new_id
+from treadle.server.storage.rows import new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, current_key_id, owns
 
 log = logging.getLogger("treadle.futures")
@@ -146,7 +146,7 @@ class Futures:
             "payload": op.encoded if self.durable else None,
         }
         stream = isinstance(payload, Sample) and payload.stream
-        self.expect(op.request_id, kind, tenant.tenant_id, stream=stream)
+        self.board.expect(op.request_id, kind, tenant.tenant_id, stream, engine.name)
         write = functools.partial(insert_request, values=values)
         traced = self.tracing.filing(op) if self.tracing is not None else None
         tell(self.listeners, lambda listener: listener.filed(op, values))
@@ -169,6 +169,43 @@ class Futures:
                 return found
             raise
 
+    async def file_finished(
+        self,
+        tenant: Tenant,
+        kind: str,
+        result: bytes,
+        *,
+        session_id: str | None,
+        dedup_key: str | None = None,
+    ) -> str:
+        """A future finished as it is filed (what the API answers itself, with no engine
+        call: create_custom_loss): its row is written with its JSON result; → its id (the
+        first one's, for a resubmitted dedup key)."""
+        if dedup_key is not None and (found := await self.keys.known(dedup_key)) is not None:
+            return found
+        rid = new_id()
+        values = {
+            "request_id": rid,
+            "kind": kind,
+            "tenant_id": tenant.tenant_id,
+            "key_id": current_key_id(),
+            "session_id": session_id,
+            "dedup_key": dedup_key,
+            "status": "done",
+            "result": result,
+            "content_type": JSON_TYPE,
+            "finished_at": utcnow(),
+        }
+        try:
+            await self.journal.run(functools.partial(insert_request, values=values))
+        except IntegrityError:
+            if dedup_key is not None and (found := await self.keys.in_db(dedup_key)) is not None:
+                return found
+            raise
+        if dedup_key is not None:
+            self.keys.remember(dedup_key, rid)
+        return rid
+
     @contextlib.asynccontextmanager
     async def refusing(
         self,
@@ -178,10 +215,11 @@ class Futures:
         model_id: str,
         seq_id: int | None,
     ) -> AsyncIterator[None]:
-        """Checks made at the edge of a training request: a refusal still fills its seq_id."""
+        """Checks made at the edge of a training request: a refusal still fills its seq_id
+        (a request naming something not found, a custom loss of another session, too)."""
         try:
             yield
-        except (InvalidRequestError, QuotaExceededError) as e:
+        except (InvalidRequestError, QuotaExceededError, NotFoundError) as e:
             if not _clears_with_time(e) and seq_id is not None:
                 await self._skip(engine, tenant, session_id, model_id, seq_id, e)
             raise

@@ -65,10 +65,11 @@ class TrainingModels:
         row = self.row(model_id)
         if row is None or not owns(row.tenant_id):
             raise NotFoundError(f"{field}: model {model_id!r} not found")
+        if row.unloaded_reason is not None and not self.loaded(row):
+            # the server gave it up, or it holds weights only (a copy, an upload): say why
+            raise NotFoundError(f"{field}: {row.unloaded_reason}")
         self.sessions.require(row.session_id)
         if not self.loaded(row):
-            if row.unloaded_reason is not None:  # the server gave it up: say why
-                raise NotFoundError(f"{field}: {row.unloaded_reason}")
             why = "was unloaded" if row.status == "unloaded" else "is not loaded (server restart)"
             raise NotFoundError(
                 f"{field}: model {model_id!r} {why}; create a training client from one of its "

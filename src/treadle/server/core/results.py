@@ -27,11 +27,18 @@ PROTO_TYPE = "application/x-protobuf"
 
 def encode(outcome: Outcome) -> Finished:
     """The row columns of a finished outcome; sets outcome.body / content_type too."""
-    if outcome.error is not None:
-        return Finished(outcome.request_id, "failed", error=error_json(outcome.error))
+    u = outcome.usage
+    if outcome.error is not None:  # usage: what ran of it (a cancelled generation)
+        return Finished(
+            outcome.request_id,
+            "failed",
+            error=error_json(outcome.error),
+            prompt_tokens=u.prompt_tokens,
+            sampled_tokens=u.sampled_tokens,
+            train_tokens=u.train_tokens,
+        )
     if outcome.body is None:
         outcome.body, outcome.content_type = _body(outcome.result)
-    u = outcome.usage
     return Finished(
         outcome.request_id,
         "done",

@@ -19,7 +19,7 @@ from treadle.server.engines.served import Engines
 from treadle.server.registry.sources import LoadSource
 from treadle.server.storage.database import Store
 from treadle.server.storage.journal import Journal
-from treadle.server.storage.queries import insert_row, sampling_session_id_of
+from treadle.server.storage.queries import insert_row, next_client, sampling_session_id_of
 from treadle.server.storage.rows import SamplingSessionRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
 
@@ -138,6 +138,15 @@ class Samplers:
         await self.journal.run(functools.partial(insert_row, cls=SamplingSessionRow, values=values))
         self._rows[sid] = SamplingSessionRow(**values)
         return sid
+
+    async def join(self, sampling_session_id: str) -> int:
+        """A copy of a sampling client (join_sampling_session): → its clone number, unique
+        among the session's clients (the original is 0), so that its seq_ids (from clone ×
+        10**9 on) never meet another client's."""
+        await self.get(sampling_session_id)  # the caller's, else 404
+        return await self.journal.run(
+            functools.partial(next_client, sampling_session_id=sampling_session_id)
+        )
 
     async def on_session_ended(self, samplers: list[tuple[str, str, str | None]]) -> None:
         """Free the sampler weights of a session that ended."""

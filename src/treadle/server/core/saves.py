@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from treadle.protocol.ops import Outcome, SaveResult
+from treadle.server.core.lifetime import expires_at
 from treadle.server.registry import versions
 from treadle.server.storage.database import Store
 from treadle.server.storage.queries import insert_row, insert_sampler_once
@@ -31,7 +32,11 @@ def commit_saved(conn: Connection, outcome: Outcome) -> None:
     saved = outcome.saved
     assert saved is not None
     for ckpt in saved.checkpoints:
-        _upsert_checkpoint(conn, {**dataclasses.asdict(ckpt), "created_at": utcnow()})
+        values = dataclasses.asdict(ckpt)
+        now = utcnow()
+        ttl = values.pop("expires_in_s")
+        values |= {"created_at": now, "expires_at": expires_at(ttl, now), "expired_at": None}
+        _upsert_checkpoint(conn, values)
     for sampler in saved.samplers:
         insert_sampler_once(conn, dataclasses.asdict(sampler))
     refs = [f"{v.group_name}:{versions.insert_version(conn, v)}" for v in saved.versions]
@@ -63,5 +68,5 @@ def _upsert_checkpoint(conn: Connection, values: dict[str, Any]) -> None:
     if conn.execute(select(table.c.tinker_path).where(where)).first() is None:
         insert_row(conn, CheckpointRow, values)
         return
-    changed = ("dir", "size_bytes", "user_metadata", "created_at")
+    changed = ("dir", "size_bytes", "user_metadata", "created_at", "expires_at", "expired_at")
     conn.execute(update(table).where(where).values({k: values[k] for k in changed}))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from sqlalchemy import Connection, delete, insert, select, update
 
-from treadle.engine.specs import check_recorded, loss_spec
+from treadle.engine.specs import LOSS_SPECS, check_recorded
 from treadle.errors import InvalidRequestError
 from treadle.protocol.ops import SequenceRecord, TrainData
 from treadle.server.storage.journal import Journal
@@ -118,7 +118,8 @@ def renew(conn: Connection, ids: list[str], tenant_id: str) -> None:
 
 # ---- a training request's provenance (the edge) ----
 def needs_provenance(loss_fn: str) -> bool:
-    return loss_spec(loss_fn).provenance
+    spec = LOSS_SPECS.get(loss_fn)  # an uploaded loss ("custom") takes none
+    return spec is not None and spec.provenance
 
 
 async def attach(

@@ -38,6 +38,7 @@ class Sessions:
         user_metadata: dict[str, Any] | None,
         display_name: str | None,
         sdk_version: str | None,
+        project_id: str | None = None,
     ) -> str:
         self.admission.check_sessions(tenant, self.active_count(tenant.tenant_id))
         session_id = new_id()
@@ -50,6 +51,7 @@ class Sessions:
             "user_metadata": user_metadata,
             "display_name": display_name,
             "sdk_version": sdk_version,
+            "project_id": project_id,
             "created_at": now,
             "last_seen_at": now,
         }

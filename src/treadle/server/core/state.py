@@ -13,6 +13,8 @@ from pathlib import Path
 
 from treadle.server.config import ServerConfig
 from treadle.server.core.checkpoints import Checkpoints
+from treadle.server.core.completions import Completions
+from treadle.server.core.custom_losses import CustomLosses
 from treadle.server.core.futures import Futures
 from treadle.server.core.limits import Admission
 from treadle.server.core.models import TrainingModels
@@ -43,6 +45,8 @@ class ServerState:
     bindings: Bindings
     keyring: KeyRing
     signer: Signer
+    custom_losses: CustomLosses
+    completions: Completions
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)
     """Per served model: a folder AutoTokenizer loads (a GGUF's is extracted at start-up)."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from treadle.engine.loss_graph_spec import LossGraph, validate_custom_batch
 from treadle.engine.specs import (
     MAX_TOPK_COLUMNS,
     check_fit,
@@ -24,7 +25,7 @@ from treadle.engine.types import AdamSpec, LoraSpec, SampleSpec, TrainDatum
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.errors import InvalidRequestError
 from treadle.protocol.facts import EngineFacts
-from treadle.protocol.ops import TrainData
+from treadle.protocol.ops import CustomLossRef, TrainData
 from treadle.server.config import InputLimits
 from treadle.types import LoraConfig
 from treadle.wire.codec import ForwardBackwardArrays
@@ -42,9 +43,24 @@ def _int64(value: int | None, field: str) -> None:
         raise InvalidRequestError(f"{field}: expected a 64-bit integer, got {value}")
 
 
-def train_data(fb: ForwardBackwardArrays, facts: EngineFacts) -> TrainData:
-    """A decoded forward/forward_backward body → the op's payload, checked."""
+def train_data(
+    fb: ForwardBackwardArrays,
+    facts: EngineFacts,
+    custom: tuple[CustomLossRef, LossGraph] | None = None,
+) -> TrainData:
+    """A decoded forward/forward_backward body → the op's payload, checked; `custom`: the
+    uploaded loss a loss_fn "custom" names (treadle.server.core.custom_losses)."""
     data = [TrainDatum(d.tokens, d.loss_fn_inputs) for d in fb.data]
+    if custom is not None:
+        ref, graph = custom
+        unknown = sorted(set(fb.loss_fn_config) - {"loss_id"})
+        if unknown:
+            raise InvalidRequestError(
+                f"loss_fn_config[{unknown[0]!r}]: loss_fn 'custom' takes only loss_id"
+            )
+        validate_custom_batch(graph, data, facts.vocab_size, facts.max_seq_len)
+        check_fit([len(d.tokens) for d in data], facts.max_train_tokens)
+        return TrainData(data, fb.loss_fn, {}, ref)
     for key, value in fb.loss_fn_config.items():
         if isinstance(value, str):
             raise InvalidRequestError(

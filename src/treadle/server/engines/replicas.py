@@ -142,7 +142,8 @@ class ReplicatedEngine(EngineClient):
 
     async def call(self, name: str, **args: Any) -> Any:
         """A control call where it belongs: a model's on its replica, a new sampler on the
-        least loaded one, a sampler's drop on every replica holding it."""
+        least loaded one, a sampler's drop on every replica holding it, a cancel on every
+        replica."""
         if name in ("unload_model", "restore_model"):
             replica = self._replica_of(args["model_id"])
             if name == "unload_model":
@@ -159,6 +160,12 @@ class ReplicatedEngine(EngineClient):
                 if r.ready:
                     await r.call(name, **args)
             return None
+        if name == "cancel":  # wherever the ops are queued or decoding
+            stopped: list[str] = []
+            for r in self.replicas:
+                if r.ready:
+                    stopped += await r.call(name, **args) or []
+            return stopped
         return await (self._least_loaded() or self.replicas[0]).call(name, **args)
 
     def unfinished(self) -> list[Op]:

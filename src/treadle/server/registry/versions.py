@@ -237,11 +237,26 @@ def _delete_rows(db: Store, rows: list[VersionRow]) -> None:
             if ckpt is not None:
                 shutil.rmtree(ckpt.dir, ignore_errors=True)
                 s.delete(ckpt)
+    _delete_files(rows)
+
+
+def discard_versions(db: Store, rows: list[VersionRow]) -> None:
+    """Delete these versions, rows then files (a folder, or S3 objects), leaving the
+    checkpoints they were published from as they are (an expiring checkpoint takes the
+    versions of groups without a retention rule with it: treadle.server.core.lifetime)."""
+    if not rows:
+        return
+    with db.session.begin() as s:
+        s.execute(delete(VersionRow).where(VersionRow.id.in_([r.id for r in rows])))
+    _delete_files(rows)
+
+
+def _delete_files(rows: list[VersionRow]) -> None:
     for r in rows:
         try:
             stores.open_location(r.location).delete_all()
         except Exception:  # noqa: BLE001 - the row is gone; a leftover object is only space
-            pass
+            log.warning("could not delete the files of version %s:%s", r.group_name, r.version)
 
 
 def set_retention(

@@ -230,3 +230,11 @@ def record_snapshot(
         .values(payload=None)
     )
     return old.dir if old is not None else None
+
+
+def next_client(conn: Connection, sampling_session_id: str) -> int:
+    """Count one more client of a sampling session; → its number (1, 2, ...)."""
+    table = SamplingSessionRow.__table__
+    where = table.c.sampling_session_id == sampling_session_id
+    conn.execute(update(table).where(where).values(clients=table.c.clients + 1))
+    return int(conn.execute(select(table.c.clients).where(where)).scalar_one())

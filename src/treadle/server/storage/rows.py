@@ -55,6 +55,8 @@ class SessionRow(Base):
     sdk_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # a label the tenant groups sessions by (create_session, assign_session_project)
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
     # The last sign of life any API process saw (several API processes on one database:
     # each writes what it saw every few seconds; the engine host's reaper reads it).
     last_seen_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -77,6 +79,8 @@ class ModelRow(Base):
     unloaded_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # a run of no session's (a copy_weights copy): the project it was copied into
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class RequestRow(Base):
@@ -138,6 +142,8 @@ class SamplingSessionRow(Base):
     # the engine id sampled from: a snapshot id, a loaded adapter id, or None for the base
     engine_ref: Mapped[str | None] = mapped_column(String(256), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # clients that joined it (join_sampling_session); the original client is 0
+    clients: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class CheckpointRow(Base):
@@ -153,6 +159,47 @@ class CheckpointRow(Base):
     lora_config: Mapped[dict] = mapped_column(JSON)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     user_metadata: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # readable (sampled from, loaded, copied) by every tenant of the server
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    # its TTL: the server deletes its files then (treadle.server.core.lifetime)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True, index=True
+    )
+    # when its files were deleted at expiry: the row stays to say so
+    expired_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class CustomLossRow(Base):
+    """A loss uploaded with create_custom_loss (its graph checked, then kept as uploaded):
+    only forward_backward requests of its session may name it."""
+
+    __tablename__ = "custom_losses"
+    __table_args__ = (UniqueConstraint("session_id", "seq_id"),)
+    loss_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    seq_id: Mapped[int] = mapped_column(BigInteger)
+    name: Mapped[str] = mapped_column(String(128))
+    upload: Mapped[str] = mapped_column(Text)  # JSON: name, inputs, graph
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UploadRow(Base):
+    """An external-weights upload in progress: the files it may receive, each through a
+    signed single-use URL until `expires_at`, then the checkpoint it becomes."""
+
+    __tablename__ = "uploads"
+    upload_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(256))
+    base_model: Mapped[str] = mapped_column(String(256))
+    files: Mapped[dict] = mapped_column(JSON)  # file name → its declared size in bytes
+    received: Mapped[list] = mapped_column(JSON, default=list)  # names received (single use)
+    status: Mapped[str] = mapped_column(String(16), default="open")  # open | finished
+    tinker_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    expires_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

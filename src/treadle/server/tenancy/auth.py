@@ -39,6 +39,7 @@ from sqlalchemy.orm import sessionmaker, with_loader_criteria
 
 from treadle.errors import AuthError
 from treadle.server.storage.rows import DEFAULT_TENANT_ID, ApiKeyRow, Base, TenantRow
+from treadle.server.tenancy.tokens import TokenIssuer, is_token, unverified_key_id
 
 log = logging.getLogger("treadle.auth")
 
@@ -50,8 +51,9 @@ KEY_ID_CHARS = 12  # the key's public part: "tml-" + 8 characters, shown by list
 PUBLIC_PATHS = frozenset(
     {"/api/v1/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/metrics"}
 )
-# Signed download links of checkpoint files: the signature is the grant, not a key.
-PUBLIC_PREFIXES = ("/api/v1/treadle/files/",)
+# Signed links (checkpoint files to download, external-weights files to upload, a session's
+# trace): the signature is the grant, not a key.
+PUBLIC_PREFIXES = ("/api/v1/treadle/files/", "/api/v1/treadle/uploads/", "/api/v1/treadle/traces/")
 # How long what a key maps to (and "no tenant exists") is trusted before it is read again.
 AUTH_CACHE_TTL_S = 5.0
 
@@ -118,6 +120,10 @@ def hash_key(key: str) -> str:
 
 
 def key_id(key: str) -> str:
+    """A key's public id; a token's names its key's (unverified: a forged token is refused
+    by the key ring, this only labels)."""
+    if is_token(key):
+        return unverified_key_id(key) or key[:KEY_ID_CHARS]
     return key[:KEY_ID_CHARS]
 
 
@@ -160,6 +166,15 @@ class KeyRing:
         self._checked_at = clock()
         self._keys: dict[str, _KeyRow] = {}  # key hash → its row as last read
         self._reads: dict[str, asyncio.Future] = {}  # reads in flight, shared by requests
+        # short-lived tokens for keys (POST /api/v1/auth/token), set by the app
+        self.tokens: TokenIssuer | None = None
+
+    def key_hash(self, key: str) -> str:
+        """The hash of the key a request stands for: its own, or the key a token of this
+        server was issued for (AuthError for a token it did not issue or that expired)."""
+        if self.tokens is not None and is_token(key):
+            return self.tokens.read(key).key_hash
+        return hash_key(key)
 
     def _any_tenant(self) -> bool:
         with self.engine.connect() as conn:
@@ -202,7 +217,7 @@ class KeyRing:
             raise AuthError(
                 "missing API key: send it in the X-API-Key header or as Authorization: Bearer"
             )
-        key_hash = hash_key(key)
+        key_hash = self.key_hash(key)
         row = self._keys.get(key_hash)
         if row is None or self._clock() - row.read_at >= self.ttl_s:
             row = await self._shared(key_hash, lambda: self._read_key(key_hash))

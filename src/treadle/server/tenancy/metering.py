@@ -156,6 +156,13 @@ def usage_query(since: str | None, by: str | None) -> dt.datetime | None:
     return when
 
 
+def metered(r: Any) -> Any:
+    """The requests usage counts: the finished ones, and the failed ones that ran part of
+    the way first (a generation cancelled after it sampled some tokens)."""
+    ran = r.c.prompt_tokens + r.c.sampled_tokens + r.c.train_tokens
+    return (r.c.status == "done") | ((r.c.status == "failed") & (ran > 0))
+
+
 def usage_report(
     engine: Engine,
     prices: dict[str, Price],
@@ -177,7 +184,7 @@ def usage_report(
     sums = [func.coalesce(func.sum(r.c[COLUMN_OF[c]]), 0) for c in COUNTERS]
     stmt = (
         select(r.c.tenant_id, key.label("key"), r.c.base_model, func.count(), *sums)
-        .where(r.c.status == "done")
+        .where(metered(r))
         .group_by(r.c.tenant_id, key, r.c.base_model)
     )
     if tenant_id is not None:

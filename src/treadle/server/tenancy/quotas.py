@@ -31,6 +31,7 @@ QUOTA_FIELDS = (
     "max_lora_rank",
     "max_tokens_per_request",
     "requests_per_minute",
+    "max_storage_bytes",
 )
 
 
@@ -48,6 +49,9 @@ class Quotas(BaseModel):
     requests_per_minute: int | None = None
     """Operations (calls that return a future) per sliding minute; polls, heartbeats and
     session bookkeeping are free."""
+    max_storage_bytes: int | None = None
+    """Bytes of checkpoints and model package versions the tenant keeps: a save (or an
+    upload, or a copy) while the tenant holds this much is refused with a 403 naming it."""
 
     @field_validator(*QUOTA_FIELDS)
     @classmethod
@@ -113,6 +117,13 @@ class RateLimiter:
                 wait,
             )
         times.append(now)
+
+    def full(self, tenant_id: str, per_minute: int | None) -> bool:
+        """Whether the tenant's minute is full now (its next request would be refused)."""
+        if per_minute is None:
+            return False
+        cutoff = time.monotonic() - self.window_s
+        return sum(1 for t in self._times.get(tenant_id, ()) if t > cutoff) >= per_minute
 
 
 class QuotaBook:

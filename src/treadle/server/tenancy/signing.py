@@ -28,9 +28,10 @@ class Signer:
         body = base64.urlsafe_b64encode(json.dumps(claims).encode()).decode().rstrip("=")
         return f"{body}.{self._mac(body)}"
 
-    def verify(self, token: str) -> dict[str, Any]:
-        """The claims of a valid, unexpired token; NotFoundError otherwise (whatever the
-        token holds: it comes from anyone who has a URL)."""
+    def verify(self, token: str, claim: str = "path") -> dict[str, Any]:
+        """The claims of a valid, unexpired token that grants `claim` (a checkpoint's
+        "path", an "upload", a "trace"); NotFoundError otherwise (whatever the token holds:
+        it comes from anyone who has a URL)."""
         body, _, mac = token.partition(".")
         if not mac.isascii() or not hmac.compare_digest(mac.encode(), self._mac(body).encode()):
             raise NotFoundError("download link: invalid signature")
@@ -38,8 +39,10 @@ class Signer:
             claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
         except (ValueError, binascii.Error) as e:
             raise NotFoundError("download link: invalid token") from e
+        if not isinstance(claims, dict) or claim not in claims or "exp" not in claims:
+            raise NotFoundError("signed link: not a link of this kind")
         if claims["exp"] < dt.datetime.now(dt.UTC).timestamp():
-            raise NotFoundError("download link: expired; ask external_weights_urls again")
+            raise NotFoundError("signed link: expired; ask for a new one")
         return claims
 
     def _mac(self, body: str) -> str:

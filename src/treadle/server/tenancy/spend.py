@@ -44,7 +44,7 @@ from treadle.server.storage.rows import (
     utcnow,
 )
 from treadle.server.tenancy.auth import Tenant, hash_key, key_id
-from treadle.server.tenancy.metering import COLUMN_OF, COUNTERS, cost_usd
+from treadle.server.tenancy.metering import COLUMN_OF, COUNTERS, cost_usd, metered
 
 PERIODS = ("day", "month")
 CAP_RELOAD_S = 1.0
@@ -115,7 +115,7 @@ class SpendBook:
                 start, _ = period_bounds(period, now)
                 rows = conn.execute(
                     select(r.c.tenant_id, r.c.key_id, r.c.base_model, *sums)
-                    .where((r.c.status == "done") & (r.c.finished_at >= start))
+                    .where(metered(r) & (r.c.finished_at >= start))
                     .group_by(r.c.tenant_id, r.c.key_id, r.c.base_model)
                 ).all()
                 for tid, kid, base_model, *counts in rows:

@@ -1,5 +1,5 @@
 """Spend counting: the outcome listener (treadle.server.core.listeners) that charges every
-successful operation to the spend caps' counters (treadle.server.tenancy.spend).
+operation that ran to the spend caps' counters (treadle.server.tenancy.spend).
 
 Each op is charged from its own request's columns: the tenant, the key it was sent with and
 the served model, noted as it is filed (`filed`: the values of its request row), and the
@@ -71,9 +71,9 @@ class SpendListener:
         with self._lock:
             charged = [(o, c) for o in outcomes if (c := self._filed.pop(o.request_id, None))]
         for o, c in charged:  # an outcome heard twice is charged once: its entry is gone
-            if o.succeeded:
-                u = o.usage
-                counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens)
+            u = o.usage  # a failed op is charged for what ran of it (a cancelled one)
+            counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens)
+            if o.succeeded or any(counts):
                 when = o.finished_at if o.finished_at is not None else time.time()
                 self.book.add(c.tenant_id, c.key_id, c.base_model, counts, when)
 

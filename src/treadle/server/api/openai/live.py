@@ -12,6 +12,9 @@ The stream starts only once its first event is in (a token, or an op's end), so 
 before the first token (a missing adapter, a quota) is an ordinary JSON error response with
 its status; an error after it goes out as an `error` event, which OpenAI's clients raise.
 
+A client that goes away mid-stream cancels its ops: they leave the decode batch at the next
+decode step (treadle.server.core.cancellation), metered for what they sampled.
+
 Tokens carry their position: when an op runs again (its worker restarted while this stream
 was open) nothing already sent is sent twice, and since a streamed op always has a seed,
 the run again samples the same tokens.
@@ -24,6 +27,7 @@ request sample whole and be replayed (stream.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,8 +40,11 @@ from treadle.server.api.openai.errors import error_body
 from treadle.server.api.openai.render import LiveText, TokenText, chat_logprobs
 from treadle.server.api.openai.sampling import Sampled, file_streamed, result_of, sampled_of
 from treadle.server.api.openai.stream import DONE, HEADERS, frame, sse, usage_chunk
+from treadle.server.core.cancellation import cancel_ops
 from treadle.server.core.state import ServerState
 from treadle.server.tenancy.auth import Tenant
+
+log = logging.getLogger("treadle.openai")
 
 # (prompt index, its op's Progress, or None once the op has ended)
 Event = tuple[int, Progress | None]
@@ -70,6 +77,11 @@ async def live_response(
     return StreamingResponse(stream.events(first), media_type="text/event-stream", headers=HEADERS)
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not cancel the ops of a closed stream: %s", task.exception())
+
+
 class _LiveStream:
     def __init__(self, state: ServerState, prep: Prepared, rids: list[str], chat: bool):
         self.state, self.prep, self.rids, self.chat = state, prep, rids, chat
@@ -99,8 +111,16 @@ class _LiveStream:
         return self.sampled[p]
 
     def close(self) -> None:
+        """The stream is over: finished, failed, or its client went away. Ops still
+        generating then are cancelled (between two decode steps: their slots free)."""
         for task in self.tasks:
             task.cancel()
+        running = [rid for p, rid in enumerate(self.rids) if p not in self.sampled]
+        if running:
+            engine = self.state.engines.get(self.prep.target.base_model)
+            name = engine.name if engine is not None else None
+            task = asyncio.get_running_loop().create_task(cancel_ops(self.state, running, name))
+            task.add_done_callback(_log_failure)
 
     async def events(self, first: Event) -> AsyncIterator[str]:
         try:

@@ -83,7 +83,7 @@ def engine_request(
         sampling_params=SamplingParams(
             max_tokens=max_tokens,
             seed=seed,
-            stop=spec.stop or None,
+            stop=[] if spec.ignore_eos else spec.stop or None,  # [] ignores EOS
             temperature=spec.temperature,
             top_k=spec.top_k,
             top_p=spec.top_p,

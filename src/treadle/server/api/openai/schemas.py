@@ -48,6 +48,7 @@ class _Sampling(_Body):
     # extensions that vLLM's server also takes
     top_k: int | None = None
     return_token_ids: bool | None = False
+    ignore_eos: bool | None = False  # generate through end-of-sequence tokens
 
 
 class ChatCompletionRequest(_Sampling):
@@ -83,6 +84,7 @@ class Sampling:
     logprobs: bool = False
     top_logprobs: int = 0
     include_usage: bool = False
+    ignore_eos: bool = False
 
 
 def _refuse_unsupported(body: _Sampling) -> None:
@@ -119,8 +121,18 @@ def _common(body: _Sampling, max_tokens: int | None) -> Sampling:
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options: only allowed with stream=true")
     include_usage = bool((body.stream_options or {}).get("include_usage"))
+    if body.ignore_eos and stop:
+        raise InvalidRequestError("ignore_eos: not with stop strings (send one or the other)")
     return Sampling(
-        max_tokens, temperature, top_p, top_k, n, stop, body.seed, include_usage=include_usage
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        n,
+        stop,
+        body.seed,
+        include_usage=include_usage,
+        ignore_eos=bool(body.ignore_eos),
     )
 
 

@@ -27,6 +27,7 @@ from treadle.server.config import InputLimits
 WRITE_BLOCK = 1 << 20
 RAW_ROUTES = ("/api/v1/forward_backward",)  # protobuf bodies, read by read_body
 IMPORT_ROUTE = ("/api/v1/treadle/checkpoints/groups/", "/import")  # a prefix, a suffix
+UPLOAD_ROUTE = "/api/v1/treadle/uploads/"  # an external-weights file, by its signed URL
 
 
 def limit_by_route(limits: InputLimits) -> Callable[[str], int]:
@@ -37,6 +38,8 @@ def limit_by_route(limits: InputLimits) -> Callable[[str], int]:
         if path in RAW_ROUTES:
             return limits.max_body_bytes
         if path.startswith(IMPORT_ROUTE[0]) and path.endswith(IMPORT_ROUTE[1]):
+            return limits.max_import_bytes
+        if path.startswith(UPLOAD_ROUTE):
             return limits.max_import_bytes
         return limits.max_json_body_bytes
 

@@ -28,7 +28,7 @@ from treadle.protocol.ops import (
     Snapshot,
 )
 from treadle.server.api.tinker.replies import sample_sequence_id
-from treadle.server.core import sequences, validation
+from treadle.server.core import lifetime, sequences, validation
 from treadle.server.core.state import ServerState
 from treadle.server.registry.bindings import check_binding
 from treadle.server.registry.sources import LoadSource
@@ -36,6 +36,7 @@ from treadle.server.storage.rows import ModelRow, new_id
 from treadle.server.tenancy.auth import DEV_TENANT, Tenant
 from treadle.types import LoraConfig
 from treadle.wire import codec
+from treadle.wire.forward_backward_request import CUSTOM_LOSS
 from treadle.wire.requests import (
     CreateModelRequest,
     LoadWeightsRequest,
@@ -44,6 +45,7 @@ from treadle.wire.requests import (
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
 )
+from treadle.wire.sdk_requests import TTL_MAX_S
 
 # Bodies up to this size are decoded on the event loop (microseconds); larger ones on a
 # worker thread, so that one big request never stalls the others' polls.
@@ -109,7 +111,11 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     # a sparse tensor declares its size in a few bytes: what it densifies to counts
     size = max(len(body), 4 * _declared_cells(msg))
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, seq_id):
-        payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts)
+        custom = None
+        if msg.loss_fn == CUSTOM_LOSS:  # an uploaded loss, run in the same engine call
+            loss_id = codec.loss_config(msg).get("loss_id")
+            custom = await state.custom_losses.ref(loss_id, row.session_id)
+        payload, spans = await _off_loop_if_big(size, _train_data, msg, state, engine.facts, custom)
         if sequences.needs_provenance(payload.loss_fn):
             await sequences.attach(state.journal, payload, spans, tenant.tenant_id, row.session_id)
     return await _file(
@@ -123,11 +129,11 @@ async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> d
     )
 
 
-def _train_data(msg: Any, state: ServerState, facts: Any) -> tuple[Any, list]:
+def _train_data(msg: Any, state: ServerState, facts: Any, custom: Any) -> tuple[Any, list]:
     """→ the checked payload, and each datum's provenance spans (checked by `sequences`)."""
     arrays = codec.forward_backward_arrays(msg, state.config.limits.max_request_cells)
     spans = [(d.model_input_spans, d.loss_fn_input_spans) for d in arrays.data]
-    return validation.train_data(arrays, facts), spans
+    return validation.train_data(arrays, facts, custom), spans
 
 
 def _declared_cells(msg: Any) -> int:
@@ -163,7 +169,14 @@ def _package(
     return package
 
 
-def _ckpt(row: ModelRow, name: str, user_metadata: dict | None) -> CheckpointInfo:
+def _ckpt(
+    row: ModelRow, name: str, user_metadata: dict | None, ttl_seconds: int | None = None
+) -> CheckpointInfo:
+    if ttl_seconds is not None and not 1 <= ttl_seconds <= TTL_MAX_S:
+        raise InvalidRequestError(
+            f"ttl_seconds: expected 1 to {TTL_MAX_S} seconds or null (never expires), "
+            f"got {ttl_seconds}"
+        )
     return CheckpointInfo(
         name=name,
         run_id=row.run_id,
@@ -171,6 +184,7 @@ def _ckpt(row: ModelRow, name: str, user_metadata: dict | None) -> CheckpointInf
         lora_config=row.lora_config,
         tenant_id=row.tenant_id,
         user_metadata=user_metadata,
+        ttl_s=ttl_seconds,
     )
 
 
@@ -181,9 +195,9 @@ async def save_weights(
     engine = state.engines.require(row.base_model)
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, body.seq_id):
         name = artifacts.check_name(body.path)
-        payload = SaveState(
-            _ckpt(row, name, body.user_metadata), body.overwrite, _package(state, row, key)
-        )
+        ckpt = _ckpt(row, name, body.user_metadata, body.ttl_seconds)
+        await lifetime.check_quota(state.store, state.admission, tenant)
+        payload = SaveState(ckpt, body.overwrite, _package(state, row, key))
     return await _file(state, engine, OpKind.SAVE_STATE, payload, tenant, row, body.seq_id)
 
 
@@ -203,6 +217,8 @@ async def save_weights_for_sampler(
     if body.path is not None:
         async with refusing:
             name = artifacts.check_name(body.path)
+            ckpt = _ckpt(row, name, body.user_metadata, body.ttl_seconds)
+            await lifetime.check_quota(state.store, state.admission, tenant)
             package = _package(state, row, key)
             if age_recipients is not None:
                 encryption.age_recipients(age_recipients)
@@ -213,7 +229,7 @@ async def save_weights_for_sampler(
                 )
         kind = OpKind.SAVE_SAMPLER
         payload: SaveSampler | Snapshot = SaveSampler(
-            _ckpt(row, name, body.user_metadata),
+            ckpt,
             package,
             body.merge_weights,
             checkpoint_type,

@@ -16,11 +16,19 @@ from treadle.wire import codec
 __all__ = ["reply", "sample_sequence_id"]
 
 
-def reply(request_id: str, polled: Polled, want_proto: bool) -> tuple[bytes, str]:
-    """→ (body, content type) of a poll."""
+def reply(
+    request_id: str,
+    polled: Polled,
+    want_proto: bool,
+    queue: tuple[str, str | None] = ("active", None),
+) -> tuple[bytes, str]:
+    """→ (body, content type) of a poll; `queue`: a pending future's queue state and its
+    reason (treadle.server.core.queue_state)."""
     done = polled.finished
     if done is None:
-        body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        body = {"type": "try_again", "request_id": request_id, "queue_state": queue[0]}
+        if queue[1] is not None:
+            body["queue_state_reason"] = queue[1]
         return json.dumps(body).encode(), JSON_TYPE
     if done.status == "failed":
         return json.dumps(done.error).encode(), JSON_TYPE

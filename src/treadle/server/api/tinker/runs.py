@@ -1,4 +1,5 @@
-"""The RestClient's training runs and checkpoints: listings, TTL, deletion, file download.
+"""The RestClient's training runs and checkpoints: listings, TTL, publication, deletion,
+file download.
 
 `tinker checkpoint download` (SDK 0.38) loads a training checkpoint into a new run, saves it
 as external weights, asks external_weights_urls for one signed URL per file, downloads them
@@ -16,13 +17,15 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import FileResponse
 
 from treadle.artifacts import folders as artifacts
-from treadle.errors import InvalidRequestError, NotFoundError
+from treadle.errors import NotFoundError
 from treadle.server.api.deps import StateDep, TenantDep
+from treadle.server.core import lifetime
 from treadle.server.core.state import ServerState
 from treadle.server.storage.rows import CheckpointRow, ModelRow
 from treadle.server.tenancy.signing import URL_TTL_S
 from treadle.types import Checkpoint, TrainingRun
 from treadle.wire.requests import CheckpointsListResponse, Cursor, TrainingRunsResponse
+from treadle.wire.sdk_requests import CheckpointTtlRequest
 
 router = APIRouter(prefix="/api/v1")
 
@@ -39,9 +42,14 @@ def checkpoint_view(row: CheckpointRow) -> Checkpoint:
         time=row.created_at.isoformat(),
         tinker_path=row.tinker_path,
         size_bytes=row.size_bytes,
+        public=bool(row.public),
         user_metadata=row.user_metadata,
-        expires_at=None,
+        expires_at=_iso(lifetime.aware(row.expires_at)),
     )
+
+
+def _iso(when: dt.datetime | None) -> str | None:
+    return when.isoformat() if when is not None else None
 
 
 def run_view(state: ServerState, row: ModelRow) -> TrainingRun:
@@ -61,9 +69,13 @@ def run_view(state: ServerState, row: ModelRow) -> TrainingRun:
 
 @router.get("/training_runs")
 def list_training_runs(
-    state: StateDep, tenant: TenantDep, limit: Limit = 20, offset: Offset = 0
+    state: StateDep,
+    tenant: TenantDep,
+    limit: Limit = 20,
+    offset: Offset = 0,
+    project_id: str | None = None,
 ) -> TrainingRunsResponse:
-    rows, total = state.checkpoints.runs_page(tenant.tenant_id, limit, offset)
+    rows, total = state.checkpoints.runs_page(tenant.tenant_id, limit, offset, project_id)
     return TrainingRunsResponse(
         training_runs=[run_view(state, r) for r in rows],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
@@ -97,27 +109,45 @@ def _checkpoint(state: ServerState, run_id: str, checkpoint_id: str) -> Checkpoi
     return state.checkpoints.of_run(state.models.find_run(run_id), checkpoint_id)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-def delete_checkpoint(run_id: str, checkpoint_id: str, state: StateDep) -> dict[str, Any]:
-    """Delete the checkpoint's files and row (versions published from it stay: they are
-    copies in the group's store, deleted through the registry)."""
-    state.checkpoints.delete(_checkpoint(state, run_id, checkpoint_id))
-    return {}
-
-
 @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
 def set_checkpoint_ttl(
     run_id: str,
     checkpoint_id: str,
     state: StateDep,
-    body: Annotated[dict[str, Any] | None, Body()] = None,
+    body: Annotated[CheckpointTtlRequest | None, Body()] = None,
 ) -> dict[str, Any]:
-    """Accepted and checked; checkpoints here do not expire by themselves (retention of
-    model package groups does that)."""
-    _checkpoint(state, run_id, checkpoint_id)
-    ttl = (body or {}).get("ttl_seconds")
-    if ttl is not None and (not isinstance(ttl, int) or not 0 < ttl <= 2**62):
-        raise InvalidRequestError(f"ttl_seconds: expected a positive integer or null, got {ttl!r}")
+    """The checkpoint's files are deleted ttl_seconds from now (null: never); the server's
+    sweep deletes them, and the versions published from it in groups without a retention
+    rule (treadle.server.core.lifetime). → {expires_at}."""
+    row = _checkpoint(state, run_id, checkpoint_id)
+    when = lifetime.set_ttl(state.store, row, body.ttl_seconds if body else None)
+    return {"tinker_path": row.tinker_path, "expires_at": _iso(when)}
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def publish_checkpoint(run_id: str, checkpoint_id: str, state: StateDep) -> dict[str, Any]:
+    """Make the checkpoint readable by every tenant of this server: they may sample from
+    it, load it into a training client, or copy it (copy_weights); only its owner lists,
+    deletes, unpublishes or sets its TTL."""
+    row = _checkpoint(state, run_id, checkpoint_id)
+    state.checkpoints.publish(row, True)
+    return {"tinker_path": row.tinker_path, "public": True}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def unpublish_checkpoint(run_id: str, checkpoint_id: str, state: StateDep) -> dict[str, Any]:
+    """Readable by its owner's tenant only again (copies others made stay theirs)."""
+    row = _checkpoint(state, run_id, checkpoint_id)
+    state.checkpoints.publish(row, False)
+    return {"tinker_path": row.tinker_path, "public": False}
+
+
+# after the routes under a checkpoint: its {checkpoint_id:path} would take their tails
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+def delete_checkpoint(run_id: str, checkpoint_id: str, state: StateDep) -> dict[str, Any]:
+    """Delete the checkpoint's files and row (versions published from it stay: they are
+    copies in the group's store, deleted through the registry)."""
+    state.checkpoints.delete(_checkpoint(state, run_id, checkpoint_id))
     return {}
 
 

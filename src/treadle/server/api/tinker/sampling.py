@@ -1,8 +1,9 @@
-"""Samplers: create_sampling_session, GET samplers/{id}, asample."""
+"""Samplers: create_sampling_session, GET samplers/{id}, asample, join_sampling_session."""
 
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 from fastapi import APIRouter
 
@@ -15,6 +16,7 @@ from treadle.wire.requests import (
     GetSamplerResponse,
     SampleRequest,
 )
+from treadle.wire.sdk_requests import JoinSamplingSessionRequest
 
 router = APIRouter(prefix="/api/v1")
 
@@ -55,3 +57,12 @@ async def get_sampler(sampler_id: str, state: StateDep) -> GetSamplerResponse:
 @router.post("/asample")
 async def asample(body: SampleRequest, state: StateDep, tenant: TenantDep) -> dict:
     return await handlers.asample(state, tenant, body)
+
+
+@router.post("/join_sampling_session")
+async def join_sampling_session(
+    body: JoinSamplingSessionRequest, state: StateDep
+) -> dict[str, Any]:
+    """A copy of a sampling client (unpickled, or from_sampler_handle) → its clone number."""
+    counter = await state.samplers.join(body.sampling_session_id)
+    return {"type": "join_sampling_session", "client_counter": counter}

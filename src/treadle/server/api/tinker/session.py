@@ -37,15 +37,25 @@ async def healthz() -> HealthResponse:
 
 
 @router.post("/client/config")
-async def client_config(body: OptionalJson = None) -> ClientConfigResponse:
-    return ClientConfigResponse()
+async def client_config(state: StateDep, body: OptionalJson = None) -> ClientConfigResponse:
+    """The SDK's optional protocols this server speaks: custom losses run here, samplers
+    poll their futures together and clones join their session (batch_polling), the token
+    exchange when jwt_auth is on."""
+    config = state.config
+    return ClientConfigResponse(
+        pjwt_auth_enabled=config.jwt_auth,
+        custom_loss_server_side=True,
+        sample_use_retrieve_futures=config.batch_polling,
+        sample_join_sampling_session=config.batch_polling,
+    )
 
 
 @router.post("/client/dynamic_config")
 async def client_dynamic_config(
     body: OptionalJson = None,
 ) -> ClientDynamicConfigResponse:
-    return ClientDynamicConfigResponse()
+    """The SDK cancels the sample requests it abandons (cancel_future)."""
+    return ClientDynamicConfigResponse(sample_cancel_enabled=True)
 
 
 @router.get("/get_server_capabilities")
@@ -62,7 +72,12 @@ async def create_session(
     body: CreateSessionRequest, state: StateDep, tenant: TenantDep
 ) -> CreateSessionResponse:
     sid = await state.sessions.create(
-        tenant, body.tags, body.user_metadata, body.display_name, body.sdk_version
+        tenant,
+        body.tags,
+        body.user_metadata,
+        body.display_name,
+        body.sdk_version,
+        project_id=body.project_id,
     )
     return CreateSessionResponse(session_id=sid)
 

@@ -1,4 +1,5 @@
-"""Training models: create, info, forward/forward_backward (protobuf), optim_step, unload.
+"""Training models: create, info, forward/forward_backward (protobuf), optim_step, unload,
+and the custom losses a forward_backward may name (create_custom_loss).
 
 The routes of the hot path are async: they read memory only and await the journal's
 commit, so a call costs no hop to a worker thread.
@@ -20,6 +21,7 @@ from treadle.wire.requests import (
     OptimStepRequest,
     UnloadModelRequest,
 )
+from treadle.wire.sdk_requests import CreateCustomLossRequest
 
 router = APIRouter(prefix="/api/v1")
 
@@ -55,6 +57,19 @@ async def forward_backward(request: Request, state: StateDep, tenant: TenantDep)
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, state: StateDep, tenant: TenantDep) -> dict:
     return await handlers.optim_step(state, tenant, body)
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(
+    body: CreateCustomLossRequest, state: StateDep, tenant: TenantDep
+) -> dict[str, Any]:
+    """A traced loss graph (ServiceClient.create_custom_loss), checked against the allowed
+    ops and kept for forward_backward(loss_fn="custom") of its session; → a future of
+    {"loss_id"}."""
+    rid = await state.custom_losses.create(
+        tenant, body.session_id, body.custom_loss_seq_id, body.name, body.inputs, body.graph
+    )
+    return {"request_id": rid}
 
 
 @router.post("/unload_model")

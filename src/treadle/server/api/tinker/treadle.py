@@ -86,6 +86,8 @@ def get_status(state: StateDep) -> dict[str, Any]:
                 "device": r.device,
                 "sessions": len(r.model_ids),
                 "queue_depth": r.queue_depth,
+                "running": r.running,
+                "decode_batch": r.decode_batch,
                 "memory_mb": _rss_mb(r.worker_pid),
             }
             for r in engine.status()

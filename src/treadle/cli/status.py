@@ -55,3 +55,7 @@ def run(args: argparse.Namespace) -> None:
     ]
     header = ["model", "replica", "status", "pid", "device", "sessions", "queue", "memory"]
     print(_table(rows, header))
+    for m in status["models"]:
+        for r in m["replicas"]:
+            if r.get("reason"):
+                print(f"{m['model']} (replica {r['replica']}) is down: {r['reason']}")

@@ -50,6 +50,7 @@ class ReplicaStatus:
     device: str | None = None  # what the worker said it runs on (cpu, cuda x4 (nccl, fsdp))
     model_ids: tuple[str, ...] = ()  # the training sessions placed on it
     queue_depth: int = 0  # ops handed to it whose outcome has not come back
+    reason: str | None = None  # why it is down and no worker is coming (its model cannot load)
 
 
 @dataclass

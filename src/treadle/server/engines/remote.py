@@ -18,6 +18,11 @@ restore its model) cannot be refused that way: its model is then `unrestorable`,
 recovery gives that one model up instead of the worker restarting forever; so is a model
 whose state crashes its worker, MAX_FAULTS times, while it is loaded to restore the model
 (the worker names that restore as running: `restore_id`).
+
+A replica whose worker cannot load its model, and is not started again (treadle.server.
+engines.restarts), is given up: its unfinished ops and every later one fail at once with
+EngineDeadError naming the reason, and status() says it is down and why, until a worker of
+it says HELLO again (one started by hand).
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class WorkerEngine(EngineClient):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self.worker: messages.Hello | None = None
+        self.attaches = 0  # workers that said HELLO so far
+        self.failure: str | None = None  # why this replica was given up (no worker comes)
 
     # ---- EngineClient ----
     def stop(self) -> None:
@@ -92,6 +99,9 @@ class WorkerEngine(EngineClient):
 
     def submit(self, op: Op) -> None:
         with self._lock:
+            if self.failure is not None and self._identity is None and not op.replay:
+                self._outcomes_later([Outcome.failed(op.request_id, self._down_error())])
+                return
             if op.replay:
                 op.faults = self._replay_faults.get(op.request_id, op.faults)
             self._sent[op.request_id] = op
@@ -103,6 +113,8 @@ class WorkerEngine(EngineClient):
 
     async def call(self, name: str, **args: Any) -> Any:
         with self._lock:
+            if self._identity is None and self.failure is not None:
+                raise self._down_error()
             if self._identity is None:
                 raise EngineDeadError(
                     f"the engine of model {self.name!r} is restarting; retry in a few seconds"
@@ -115,8 +127,10 @@ class WorkerEngine(EngineClient):
 
     def status(self) -> list[ReplicaStatus]:
         hello = self.worker
+        state = self.state()
         pid, device = (hello.pid or None, hello.device) if hello else (None, None)
-        return [ReplicaStatus(self.replica, self.state(), pid, device, (), len(self._sent))]
+        reason = self.failure if state == "down" else None
+        return [ReplicaStatus(self.replica, state, pid, device, (), len(self._sent), reason=reason)]
 
     def is_live(self, ref: str) -> bool:
         with self._lock:
@@ -164,10 +178,28 @@ class WorkerEngine(EngineClient):
         return [op for op in ops if not op.replay]
 
     # ---- the worker's side of things (the hub's IO thread) ----
+    def give_up(self, reason: str) -> None:
+        """No worker of this replica is started again: what waits for one fails now, with
+        the reason, and so does every later op (until a worker says HELLO anyway)."""
+        with self._lock:
+            self.failure = reason
+            if self._identity is not None:
+                return
+            ops, self._sent, self._outbox = list(self._sent.values()), {}, []
+            error = self._down_error()
+        failed = [Outcome.failed(op.request_id, error) for op in ops if not op.replay]
+        if failed:
+            self._outcomes_later(failed)
+
+    def _down_error(self) -> EngineDeadError:
+        return EngineDeadError(f"model {self.name!r} is down: {self.failure}")
+
     def attach(self, identity: bytes, hello: messages.Hello) -> None:
         """A worker of this model said HELLO: restore (on the event loop), then resend."""
         with self._lock:
             self._identity = identity
+            self.attaches += 1
+            self.failure = None
             self._ready = False
             self._live.clear()
             self.facts = hello.facts

@@ -73,6 +73,7 @@ def get_status(state: StateDep) -> dict[str, Any]:
                 "sessions": len(r.model_ids),
                 "queue_depth": r.queue_depth,
                 "memory_mb": _rss_mb(r.worker_pid),
+                "reason": r.reason,  # why it is down for good (its model cannot load)
             }
             for r in engine.status()
         ]

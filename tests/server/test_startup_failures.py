@@ -349,3 +349,31 @@ def test_a_model_deleted_under_its_worker_is_given_up_and_reported_down(
     svc.close()
     server.proc.send_signal(signal.SIGTERM)
     assert server.exit_status(timeout_s=60) == 0
+
+
+# ---- worker threads (--engine-processes false) ----------------------------------------------
+
+
+def test_a_worker_thread_that_cannot_load_ends_the_start_up(tmp_path, tiny_model_dir):
+    """The in-process app: the engine factory raising is a load failure, said once."""
+    from fastapi.testclient import TestClient
+
+    from treadle.server.app import create_app
+    from treadle.server.config import ServerConfig
+    from treadle.server.engines.startup import CannotStart
+
+    made = []
+
+    def no_memory(name: str, path: str, config: ServerConfig):
+        made.append(name)
+        raise MemoryError("tried to allocate 16384000000 bytes")
+
+    config = ServerConfig(
+        models={TINY: str(tiny_model_dir)}, data_dir=str(tmp_path), engine_processes=False
+    )
+    started = time.monotonic()
+    with pytest.raises(CannotStart, match="not enough memory for its weights"):
+        with TestClient(create_app(config, engine_factory=no_memory)):
+            pass
+    assert made == [TINY]  # not tried again
+    assert time.monotonic() - started < 60

@@ -61,9 +61,15 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from treadle.demo import run_demo
+    from treadle.demo import DemoError, run_demo
 
-    run_demo(model_dir=args.model_dir, run_dir=args.run_dir, seed=args.seed, port=args.port)
+    try:
+        run_demo(model_dir=args.model_dir, run_dir=args.run_dir, seed=args.seed, port=args.port)
+    except DemoError as e:
+        sys.exit(f"treadle demo: {e}")
+    except KeyboardInterrupt:
+        print("\ntreadle demo: interrupted; run it again to start over", file=sys.stderr)
+        sys.exit(130)
 
 
 def _hf_cache(args: argparse.Namespace) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from treadle.client import excepthook, hints
 from treadle.client.checkpoints import CheckpointsClient
-from treadle.client.errors import NotFoundError
+from treadle.client.errors import APIError, NotFoundError
 from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
 from treadle.client.session import ServerSession
@@ -87,6 +88,7 @@ class ServiceClient:
             or DEFAULT_BASE_URL
         )
         api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
+        excepthook.install()  # a newcomer's mistake, uncaught, ends the script in one line
         self.transport = Transport(base_url, api_key, retry=retry, timeout_s=timeout_s)
         try:
             self.client_config: dict[str, Any] = self.transport.call(
@@ -97,6 +99,9 @@ class ServiceClient:
                     deadline_s=min(self.transport.retry.deadline_s, 10.0),
                 )
             )
+        except APIError as e:
+            self.transport.close()
+            raise hints.reaching(e, base_url) from None
         except BaseException:
             self.transport.close()
             raise
@@ -237,7 +242,10 @@ class ServiceClient:
             model_package_group=model_package_group or self.model_package_group,
             output_path=output_path or self.output_path,
         )
-        reply = self._run_future("/api/v1/create_model", body, "CreateModel")
+        try:
+            reply = self._run_future("/api/v1/create_model", body, "CreateModel")
+        except APIError as e:
+            raise hints.model_choice(e) from None
         return self._attach(str(reply["model_id"]))
 
     def create_training_client_from_state(
@@ -343,7 +351,12 @@ class ServiceClient:
             model_path=model_path,
             base_model=base_model,
         )
-        reply = self.transport.call(self.transport.post("/api/v1/create_sampling_session", body))
+        try:
+            reply = self.transport.call(
+                self.transport.post("/api/v1/create_sampling_session", body)
+            )
+        except APIError as e:
+            raise hints.model_choice(e) from None
         return SamplingClient(
             self.transport,
             str(reply["sampling_session_id"]),

@@ -29,7 +29,7 @@ from treadle.client.session import ServerSession
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.training import TrainingClient
 from treadle.client.transport import SDK_VERSION, RetryPolicy, Transport
-from treadle.types import GetInfoResponse, LoraConfig, SupportedModel
+from treadle.types import TRAINING_SESSION_NAME, GetInfoResponse, LoraConfig, SupportedModel
 from treadle.wire import requests as rq
 
 log = logging.getLogger("treadle.client")
@@ -221,10 +221,10 @@ class ServiceClient:
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         if training_session_name is not None:
-            user_metadata = {
-                **(user_metadata or {}),
-                "training_session_name": training_session_name,
-            }
+            # the session's name: sent with the session if this call opens it, and with the
+            # model, whose first name names a session opened without one (server side)
+            self._session.name_if_unnamed(training_session_name)
+            user_metadata = {**(user_metadata or {}), TRAINING_SESSION_NAME: training_session_name}
         session_id, model_seq_id = self._next_model_seq_id()
         body = rq.CreateModelRequest(
             session_id=session_id,

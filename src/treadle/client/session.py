@@ -55,6 +55,12 @@ class ServerSession:
                 self._heartbeat = self.transport.submit(self._beat(self._id))
             return self._id
 
+    def name_if_unnamed(self, name: str) -> None:
+        """The name the session is opened with, if it is not open and has none yet."""
+        with self._lock:
+            if self._id is None and self._request.display_name is None:
+                self._request.display_name = name
+
     def next_model_seq_id(self) -> tuple[str, int]:
         """create_model and load_weights number the session's models with one counter."""
         session_id = self.id

@@ -240,11 +240,12 @@ def test_a_model_that_cannot_load_stops_the_server_at_start(
 # ---- signals ------------------------------------------------------------------------------
 
 
-def test_sigterm_during_a_crash_loop_at_start(serve, tiny_model_dir):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_during_a_crash_loop_at_start(serve, tiny_model_dir, sig):
     server = serve(tiny_model_dir, hook="crash", config={"drain_timeout_s": 5}).start()
     server.wait_for("starting a new one", count=2)  # the third worker is starting
     sent = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
+    server.proc.send_signal(sig)
     assert server.exit_status(timeout_s=5) == 0, server.stderr()[-3000:]
     assert time.monotonic() - sent < 5
     assert _last_line(server.stderr()) == "treadle serve: stopped before it started serving"

@@ -339,25 +339,9 @@ class Transport:
 
     def close(self) -> None:
         """Close the pool and stop the loop; pending futures are cancelled."""
-        if self._closed:
-            return
-
-        async def _shutdown() -> None:
-            # Every other task on the loop is a request of ours: cancel them so that their
-            # futures end (cancelled) instead of hanging; _release then closes the pool.
-            me = asyncio.current_task()
-            others = [t for t in asyncio.all_tasks() if t is not me]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
-
-        if threading.current_thread() is not self._thread:
-            try:
-                self.call(_shutdown(), timeout=10)
-            except (concurrent.futures.TimeoutError, RuntimeError):
-                pass
-        self._closed = True
-        _release_now(self)
+        if not self._closed:
+            self._closed = True
+            _release_now(self)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> None:
@@ -370,9 +354,10 @@ def _release(
 ) -> None:
     """Close a transport's pool and stop its loop: from close(), or for a transport collected
     (or still open at exit) without one, so that neither its thread nor its sockets leak.
-    Its tasks (a session's heartbeat, a submitter) are cancelled and awaited first, and the
-    loop is closed once its thread has ended: nothing is left for asyncio or aiohttp to warn
-    about when the interpreter exits (an unfinished session then expires on the server)."""
+    Its tasks (requests, a session's heartbeat, a submitter) are cancelled first, so that
+    their futures end (cancelled) instead of hanging, and the loop is closed once its thread
+    has ended: nothing is left for asyncio or aiohttp to warn about at exit (an unfinished
+    session then expires on the server)."""
     if loop.is_closed() or not loop.is_running():
         return
 

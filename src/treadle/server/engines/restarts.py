@@ -6,9 +6,10 @@ processes (treadle.server.engines.supervisor) and threads (treadle.server.engine
 - A worker that could not load its model (treadle.protocol.load_failure) of a model that
   never served is not started again: the server cannot start, and says why.
 - A worker that ends before it serves, of a model that served before (its folder deleted
-  under it, say), is tried MAX_TRIES times in a row, with the backoff, then given up: the
-  model is reported down and its requests fail with the reason. So is a model whose first
-  workers keep dying before they serve (a crash at every load).
+  under it, say), is tried `max_tries` times in a row (the server's worker_start_tries),
+  with the backoff, then given up: the model is reported down and its requests fail with
+  the reason. So is a model whose first workers keep dying before they serve (a crash at
+  every load).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_BACKOFF_S = 10.0
-MAX_TRIES = 5  # workers in a row that end before they serve, before the model is given up
 LONG_RUN_S = 60.0  # a worker that ran this long was not crash-looping: the backoff starts over
 
 
@@ -24,6 +24,7 @@ LONG_RUN_S = 60.0  # a worker that ran this long was not crash-looping: the back
 class Restarts:
     """One replica's worker starts: the backoff and the failures since it last served."""
 
+    max_tries: int = 5  # workers in a row that end before they serve, before giving up
     backoff_s: float = 0.5
     failures: int = 0  # workers in a row that ended before they served
     served: bool = False  # a worker of this replica has served since the server started
@@ -35,7 +36,7 @@ class Restarts:
             self.served, self.failures = True, 0
         else:
             self.failures += 1
-            if (load_failed and not self.served) or self.failures >= MAX_TRIES:
+            if (load_failed and not self.served) or self.failures >= self.max_tries:
                 return None
         if ran_s > LONG_RUN_S:
             self.backoff_s = 0.5

@@ -135,7 +135,7 @@ class Supervisor:
 
     def _watch(self, name: str, path: str, replica: int) -> None:
         key = f"{name}#{replica}"
-        restarts = Restarts()
+        restarts = Restarts(self.config.worker_start_tries)
         while True:
             started = time.monotonic()
             oom_kills = own_oom_kills()

@@ -77,7 +77,7 @@ class ThreadWorkers:
             worker.wait(timeout_s)
 
     def _run(self, wconfig: WorkerConfig, replica: int) -> None:
-        name, restarts = wconfig.name, Restarts()
+        name, restarts = wconfig.name, Restarts(self.config.worker_start_tries)
         while not self._stopping.is_set():
             started = time.monotonic()
             try:

@@ -207,7 +207,7 @@ def run_demo(
             f"the server did not start: {e.reason.removeprefix('treadle serve: ')} "
             f"(its log: {run_path / 'server' / 'server.log'})"
         ) from None
-    with server:
+    try:
         print(f"server up at {server.url}")
         svc = ServiceClient(base_url=server.url)
         print(f"SFT warm-up: {cfg.sft_steps} steps, {cfg.corrupt_frac:.0%} imperfect demos")
@@ -215,6 +215,8 @@ def run_demo(
         print("GRPO with a strict verifier")
         rl_run = grpo(svc, server.url, cfg, run_path, sft_state)
         svc.close()
+    finally:
+        server.stop()
     plots = plot_run(rl_run.path, keys=["train/reward", "test/reward", "test/greedy_accuracy"])
     summary = summarize(rl_run)
     print(

@@ -167,9 +167,19 @@ def _demo(tmp_path: Path, model_dir: Path) -> subprocess.Popen:
     )
 
 
+def _servers(pid: int) -> int:
+    """How many `treadle serve` processes the process `pid` has started (and not reaped)."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            count += b"serve" in cmdline and b"treadle.cli" in cmdline
+    return count
+
+
 def _interrupt_after(proc: subprocess.Popen, text: str, timeout_s: float = 240) -> tuple:
     """Ctrl-C (SIGINT to the demo's process) once stdout says `text`; → (status, stdout,
-    stderr)."""
+    stderr, how many servers the demo was running then)."""
     seen = []
     deadline = time.monotonic() + timeout_s
     for line in proc.stdout:
@@ -177,22 +187,24 @@ def _interrupt_after(proc: subprocess.Popen, text: str, timeout_s: float = 240) 
         if text in line:
             break
         assert time.monotonic() < deadline, "".join(seen)
+    servers = _servers(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    return proc.returncode, "".join(seen) + out, err
+    return proc.returncode, "".join(seen) + out, err, servers
 
 
 def test_make_demo_interrupted_and_run_again(tmp_path):
     model_dir = tmp_path / "tiny-llama"
     # interrupted while it builds its model: nothing half-built is left behind
-    status, out, err = _interrupt_after(_demo(tmp_path, model_dir), "building the tiny model")
+    status, out, err, _ = _interrupt_after(_demo(tmp_path, model_dir), "building the tiny model")
     assert status == 130, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "treadle demo: interrupted; run it again to start over"
     assert not (model_dir / "config.json").exists() or any(model_dir.glob("*.safetensors"))
     # run again: it builds what it needs, starts its server, and is interrupted once training
-    status, out, err = _interrupt_after(_demo(tmp_path, model_dir), "SFT warm-up")
+    status, out, err, servers = _interrupt_after(_demo(tmp_path, model_dir), "SFT warm-up")
     assert "server up at" in out, out + err
+    assert servers == 1
     assert status == 130, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "treadle demo: interrupted; run it again to start over"

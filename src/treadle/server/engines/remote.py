@@ -19,10 +19,8 @@ recovery gives that one model up instead of the worker restarting forever; so is
 whose state crashes its worker, MAX_FAULTS times, while it is loaded to restore the model
 (the worker names that restore as running: `restore_id`).
 
-A replica whose worker cannot load its model, and is not started again (treadle.server.
-engines.restarts), is given up: its unfinished ops and every later one fail at once with
-EngineDeadError naming the reason, and status() says it is down and why, until a worker of
-it says HELLO again (one started by hand).
+A replica given up (its model cannot load: treadle.server.engines.restarts) fails its ops,
+now and later, with EngineDeadError naming why, until a worker says HELLO again.
 """
 
 from __future__ import annotations

@@ -209,3 +209,17 @@ def test_make_demo_interrupted_and_run_again(tmp_path):
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "treadle demo: interrupted; run it again to start over"
     assert (model_dir / "config.json").exists()
+
+
+def test_treadle_serve_with_a_setting_out_of_range(tmp_path, tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "serve", "--worker-start-tries", "0"]
+        + ["--data-dir", str(tmp_path), "--model", f"{TINY}={tiny_model_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert one_line(result) == (
+        "treadle serve: worker_start_tries: Value error, worker_start_tries must be >= 1, got 0"
+    )

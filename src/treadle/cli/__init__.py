@@ -20,6 +20,8 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
     from treadle.server.config import ServerConfig, flag_values, parse_model_arg
     from treadle.server.main import serve
 
@@ -29,7 +31,15 @@ def _serve(args: argparse.Namespace) -> None:
     models.update(parse_model_arg(m) for m in args.model)
     if not models:
         sys.exit("treadle serve: give at least one --model NAME=PATH (or --model PATH)")
-    serve(ServerConfig(**{**settings, **flag_values(args), "models": models}))
+    try:
+        config = ServerConfig(**{**settings, **flag_values(args), "models": models})
+    except ValidationError as e:  # a setting out of range: which, and why, in one line
+        said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        sys.exit(f"treadle serve: {said}")
+    try:
+        serve(config)
+    except KeyboardInterrupt:  # before the server handles signals itself (while importing)
+        sys.exit(130)
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -7,6 +7,9 @@
    printing a per-step table and writing metrics.jsonl and a PNG plot to the run folder.
 
   treadle demo [--seed 0] [--run-dir runs/demo]
+
+Interrupted (Ctrl-C), it says so in one line; run again, it starts over (the run folder is
+made anew, and a model build that was cut short is done again).
 """
 
 from __future__ import annotations
@@ -53,6 +56,28 @@ class DemoConfig:
 
 
 TEST_SEED = 987_654
+
+
+class DemoError(RuntimeError):
+    """The demo cannot go on; the message says why and what to do (one line)."""
+
+
+def ensure_tiny_model(model_dir: Path, make_tiny_model) -> None:
+    """Build the demo's model unless it is there whole. It is built in a folder beside it and
+    renamed into place, so an interrupted build leaves nothing the next run mistakes for a
+    model; a folder left by an older, interrupted build (config.json but no weights) is
+    built again."""
+    if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
+        return
+    if model_dir.exists():
+        print(f"the model in {model_dir} is incomplete (an interrupted build?): building it again")
+        shutil.rmtree(model_dir)
+    else:
+        print(f"building the tiny model in {model_dir}")
+    partial = model_dir.with_name(f".{model_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    make_tiny_model(partial, arch="llama", size="tiny")
+    partial.rename(model_dir)
 
 
 def held_out(cfg: DemoConfig) -> list:
@@ -168,15 +193,20 @@ def run_demo(
 ) -> dict[str, float]:
     from treadle import ServiceClient
     from treadle.engine.tiny import make_tiny_model
-    from treadle.launch import ServerProcess
+    from treadle.launch import ServerProcess, ServerStartError
 
     cfg = cfg or DemoConfig(seed=seed)
-    if not (Path(model_dir) / "config.json").exists():
-        print(f"building the tiny model in {model_dir}")
-        make_tiny_model(model_dir, arch="llama", size="tiny")
+    ensure_tiny_model(Path(model_dir), make_tiny_model)
     run_path = Path(run_dir)
     shutil.rmtree(run_path, ignore_errors=True)
-    with ServerProcess({MODEL_NAME: model_dir}, run_path / "server", port=port) as server:
+    try:
+        server = ServerProcess({MODEL_NAME: model_dir}, run_path / "server", port=port).start()
+    except ServerStartError as e:
+        raise DemoError(
+            f"the server did not start: {e.reason.removeprefix('treadle serve: ')} "
+            f"(its log: {run_path / 'server' / 'server.log'})"
+        ) from None
+    try:
         print(f"server up at {server.url}")
         svc = ServiceClient(base_url=server.url)
         print(f"SFT warm-up: {cfg.sft_steps} steps, {cfg.corrupt_frac:.0%} imperfect demos")
@@ -184,6 +214,8 @@ def run_demo(
         print("GRPO with a strict verifier")
         rl_run = grpo(svc, server.url, cfg, run_path, sft_state)
         svc.close()
+    finally:
+        server.stop()
     plots = plot_run(rl_run.path, keys=["train/reward", "test/reward", "test/greedy_accuracy"])
     summary = summarize(rl_run)
     print(

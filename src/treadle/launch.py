@@ -29,6 +29,14 @@ def _die_with_parent() -> None:
         pass
 
 
+class ServerStartError(RuntimeError):
+    """`treadle serve` exited before it served; `reason` is its last line (what it said)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,8 +84,16 @@ class ServerProcess:
             cmd += ["--model", f"{name}={path}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the handle
+            # a process group of its own: a Ctrl-C meant for the caller (a demo, a test run)
+            # does not reach it; the caller stops it (one SIGTERM: it drains), or its death
+            # does (PDEATHSIG)
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+                process_group=0,
             )
         self._wait_healthy()
         return self
@@ -86,7 +102,11 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"treadle serve exited early:\n{self.log()[-4000:]}")
+                log = self.log()
+                lines = log.strip().splitlines()
+                raise ServerStartError(
+                    f"treadle serve exited early:\n{log[-4000:]}", lines[-1] if lines else ""
+                )
             try:
                 if httpx.get(f"{self.url}/api/v1/healthz", timeout=1.0).status_code == 200:
                     return

@@ -17,6 +17,9 @@ LossFnType = Literal[
     "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"
 ]
 StopReason = Literal["stop", "length"]
+# The model's user_metadata key under which the SDK sends `training_session_name` (the
+# managed service's name for a training session): the server names the session after it.
+TRAINING_SESSION_NAME = "training_session_name"
 
 # Plain lists in loss_fn_inputs are coerced by key, as the Tinker SDK does.
 INT_KEYS = {"target_tokens"}

@@ -21,6 +21,8 @@ from pathlib import Path
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
     from treadle.server.config import ServerConfig, flag_values, parse_model_arg
     from treadle.server.main import serve
 
@@ -30,7 +32,15 @@ def _serve(args: argparse.Namespace) -> None:
     models.update(parse_model_arg(m) for m in args.model)
     if not models:
         sys.exit("treadle serve: give at least one --model NAME=PATH (or --model PATH)")
-    serve(ServerConfig(**{**settings, **flag_values(args), "models": models}))
+    try:
+        config = ServerConfig(**{**settings, **flag_values(args), "models": models})
+    except ValidationError as e:  # a setting out of range: which, and why, in one line
+        said = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        sys.exit(f"treadle serve: {said}")
+    try:
+        serve(config)
+    except KeyboardInterrupt:  # before the server handles signals itself (while importing)
+        sys.exit(130)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -62,9 +72,15 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from treadle.demo import run_demo
+    from treadle.demo import DemoError, run_demo
 
-    run_demo(model_dir=args.model_dir, run_dir=args.run_dir, seed=args.seed, port=args.port)
+    try:
+        run_demo(model_dir=args.model_dir, run_dir=args.run_dir, seed=args.seed, port=args.port)
+    except DemoError as e:
+        sys.exit(f"treadle demo: {e}")
+    except KeyboardInterrupt:
+        print("\ntreadle demo: interrupted; run it again to start over", file=sys.stderr)
+        sys.exit(130)
 
 
 def _hf_cache(args: argparse.Namespace) -> None:

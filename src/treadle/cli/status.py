@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> None:
     try:
         resp = httpx.get(f"{args.base_url.rstrip('/')}/api/v1/treadle/status", headers=headers)
     except httpx.TransportError as e:
-        sys.exit(f"treadle status: cannot reach {args.base_url}: {e}")
+        sys.exit(
+            f"treadle status: cannot reach {args.base_url} ({e}); is `treadle serve` running "
+            "there? pass its address with --base-url (or set TREADLE_BASE_URL)"
+        )
     if resp.status_code != 200:
         sys.exit(f"treadle status: HTTP {resp.status_code}: {resp.text}")
     status = resp.json()
@@ -55,3 +58,7 @@ def run(args: argparse.Namespace) -> None:
     ]
     header = ["model", "replica", "status", "pid", "device", "sessions", "queue", "memory"]
     print(_table(rows, header))
+    for m in status["models"]:
+        for r in m["replicas"]:
+            if r.get("reason"):
+                print(f"{m['model']} (replica {r['replica']}) is down: {r['reason']}")

@@ -15,7 +15,19 @@ from treadle import errors
 
 
 class APIError(errors.TreadleError):
-    """Something went wrong talking to the server."""
+    """Something went wrong talking to the server.
+
+    `hint` (set on the mistakes a newcomer makes first: no server at that address, a wrong
+    API key, a model the server does not serve) says what to do; such an error, uncaught,
+    ends a script with one line rather than a traceback (treadle.client.excepthook)."""
+
+    hint: str | None = None
+
+    def with_hint(self, hint: str) -> APIError:
+        """This error, its message ending with what to do."""
+        self.hint = hint
+        self.args = (f"{self.args[0]}; {hint}" if self.args else hint, *self.args[1:])
+        return self
 
 
 class APIConnectionError(APIError, ConnectionError):

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from treadle.client import excepthook, hints
 from treadle.client.checkpoints import CheckpointsClient
-from treadle.client.errors import NotFoundError
+from treadle.client.errors import APIError, NotFoundError
 from treadle.client.estimate import CostEstimate, RunPlan, price
 from treadle.client.porting import ported_target
 from treadle.client.sampling import SamplingClient
@@ -30,7 +31,7 @@ from treadle.client.session import ServerSession
 from treadle.client.tokenizer import load_tokenizer
 from treadle.client.training import TrainingClient
 from treadle.client.transport import SDK_VERSION, RetryPolicy, Transport
-from treadle.types import GetInfoResponse, LoraConfig, SupportedModel
+from treadle.types import TRAINING_SESSION_NAME, GetInfoResponse, LoraConfig, SupportedModel
 from treadle.wire import requests as rq
 
 log = logging.getLogger("treadle.client")
@@ -89,6 +90,7 @@ class ServiceClient:
             or DEFAULT_BASE_URL
         )
         api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
+        excepthook.install()  # a newcomer's mistake, uncaught, ends the script in one line
         self.transport = Transport(base_url, api_key, retry=retry, timeout_s=timeout_s)
         try:
             self.client_config: dict[str, Any] = self.transport.call(
@@ -99,6 +101,9 @@ class ServiceClient:
                     deadline_s=min(self.transport.retry.deadline_s, 10.0),
                 )
             )
+        except APIError as e:
+            self.transport.close()
+            raise hints.reaching(e, base_url) from None
         except BaseException:
             self.transport.close()
             raise
@@ -234,10 +239,10 @@ class ServiceClient:
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("train_mlp, train_attn, train_unembed: at least one must be True")
         if training_session_name is not None:
-            user_metadata = {
-                **(user_metadata or {}),
-                "training_session_name": training_session_name,
-            }
+            # the session's name: sent with the session if this call opens it, and with the
+            # model, whose first name names a session opened without one (server side)
+            self._session.name_if_unnamed(training_session_name)
+            user_metadata = {**(user_metadata or {}), TRAINING_SESSION_NAME: training_session_name}
         session_id, model_seq_id = self._next_model_seq_id()
         body = rq.CreateModelRequest(
             session_id=session_id,
@@ -255,7 +260,10 @@ class ServiceClient:
             model_package_group=model_package_group or self.model_package_group,
             output_path=output_path or self.output_path,
         )
-        reply = self._run_future("/api/v1/create_model", body, "CreateModel")
+        try:
+            reply = self._run_future("/api/v1/create_model", body, "CreateModel")
+        except APIError as e:
+            raise hints.model_choice(e) from None
         return self._attach(str(reply["model_id"]))
 
     def create_training_client_from_state(
@@ -361,7 +369,12 @@ class ServiceClient:
             model_path=model_path,
             base_model=base_model,
         )
-        reply = self.transport.call(self.transport.post("/api/v1/create_sampling_session", body))
+        try:
+            reply = self.transport.call(
+                self.transport.post("/api/v1/create_sampling_session", body)
+            )
+        except APIError as e:
+            raise hints.model_choice(e) from None
         return SamplingClient(
             self.transport,
             str(reply["sampling_session_id"]),

@@ -55,6 +55,12 @@ class ServerSession:
                 self._heartbeat = self.transport.submit(self._beat(self._id))
             return self._id
 
+    def name_if_unnamed(self, name: str) -> None:
+        """The name the session is opened with, if it is not open and has none yet."""
+        with self._lock:
+            if self._id is None and self._request.display_name is None:
+                self._request.display_name = name
+
     def next_model_seq_id(self) -> tuple[str, int]:
         """create_model and load_weights number the session's models with one counter."""
         session_id = self.id
@@ -82,8 +88,8 @@ class ServerSession:
             # No retries: a server that is gone must not hold up close() or interpreter exit;
             # it ends the session itself once heartbeats stop.
             self.transport.call(self.transport.post(path, body, retry=False, timeout=10))
-        except APIError as exc:
-            log.warning("finishing session %s failed: %r", session_id, exc)
+        except APIError as exc:  # not worth a warning: the server ends it all the same
+            log.info("finishing session %s failed (it expires on the server): %s", session_id, exc)
 
     async def _beat(self, session_id: str) -> None:
         body = rq.SessionHeartbeatRequest(session_id=session_id)

@@ -144,11 +144,14 @@ class Transport:
         self.api_key = api_key
         self.retry = retry or RetryPolicy()
         self._loop = asyncio.new_event_loop()
+        # Strong refs to our tasks (the loop keeps only weak ones), held by the running
+        # thread: a task waiting on a queue of a client dropped unclosed is not collected
+        # mid-wait ("Task was destroyed but it is pending!"); close() or exit ends it.
+        self._tasks: set[asyncio.Task] = set()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="treadle-io", daemon=True
+            target=_run_loop, args=(self._loop, self._tasks), name="treadle-io", daemon=True
         )
         self._thread.start()
-        self._tasks: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         # Each sample in flight holds one connection for its long-poll; past this many, new
         # samples wait in the client rather than exhaust the server's sockets.
         self.sample_slots = asyncio.Semaphore(max_in_flight_samples)
@@ -186,7 +189,15 @@ class Transport:
         if self._closed:
             coro.close()
             raise RuntimeError("this client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(self._kept(coro), self._loop)
+
+    async def _kept(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop and wait for it (for direct, synchronous calls)."""
@@ -328,49 +339,63 @@ class Transport:
 
     def close(self) -> None:
         """Close the pool and stop the loop; pending futures are cancelled."""
-        if self._closed:
-            return
+        if not self._closed:
+            self._closed = True
+            _release_now(self)
 
-        async def _shutdown() -> None:
-            # Every other task on the loop is a request of ours: cancel them so that their
-            # futures end (cancelled) instead of hanging; _release then closes the pool.
-            me = asyncio.current_task()
-            others = [t for t in asyncio.all_tasks() if t is not me]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
 
-        if threading.current_thread() is not self._thread:
-            try:
-                self.call(_shutdown(), timeout=10)
-            except (concurrent.futures.TimeoutError, RuntimeError):
-                pass
-        self._closed = True
-        self._release()
+def _run_loop(loop: asyncio.AbstractEventLoop, tasks: set[asyncio.Task]) -> None:
+    """The I/O thread: `tasks` is held (as this thread's argument) while the loop runs."""
+    loop.run_forever()
 
 
 def _release(
     loop: asyncio.AbstractEventLoop, thread: threading.Thread, session: aiohttp.ClientSession
 ) -> None:
     """Close a transport's pool and stop its loop: from close(), or for a transport collected
-    (or still open at exit) without one, so that neither its thread nor its sockets leak."""
+    (or still open at exit) without one, so that neither its thread nor its sockets leak.
+    Its tasks (requests, a session's heartbeat, a submitter) are cancelled first, so that
+    their futures end (cancelled) instead of hanging, and the loop is closed once its thread
+    has ended: nothing is left for asyncio or aiohttp to warn about at exit (an unfinished
+    session then expires on the server)."""
     if loop.is_closed() or not loop.is_running():
         return
-    closing = asyncio.run_coroutine_threadsafe(session.close(), loop)
-    if threading.current_thread() is not thread:  # on the loop itself it cannot be waited for
-        with contextlib.suppress(Exception):
-            closing.result(5)
-    loop.call_soon_threadsafe(loop.stop)
+
+    async def shutdown() -> None:
+        try:
+            me = asyncio.current_task()
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            await session.close()
+        finally:
+            loop.call_soon(loop.stop)  # after this task's result reaches the caller
+
+    done = asyncio.run_coroutine_threadsafe(shutdown(), loop)
+    if threading.current_thread() is thread:  # on the loop itself it cannot be waited for
+        return
+    with contextlib.suppress(Exception):
+        done.result(5)
+    thread.join(5)
+    if not thread.is_alive():
+        loop.close()
 
 
 _open: weakref.WeakSet[Transport] = weakref.WeakSet()
 
 
+def _release_now(transport: Transport) -> None:
+    """Run a transport's release once, now. Detached, not called: at interpreter exit,
+    weakref's own exit hook (registered at the first finalize, so run before ours and the
+    ServiceClient's) has switched every finalize off, and calling one then does nothing
+    but forget it: the pool was left open, and aiohttp warned of it when it was collected."""
+    if (detached := transport._release.detach()) is not None:
+        _, func, args, _ = detached
+        func(*args)
+
+
 @atexit.register  # at import: it runs after the exit hooks of the modules that import this
 def _release_all() -> None:
-    # detach, not call: weakref's own exit hook (registered later, so run earlier) has
-    # switched every finalize off by now
     for transport in list(_open):
-        if (detached := transport._release.detach()) is not None:
-            _, func, args, _ = detached
-            func(*args)
+        _release_now(transport)

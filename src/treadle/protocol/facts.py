@@ -54,6 +54,7 @@ class ReplicaStatus:
     queue_depth: int = 0  # ops handed to it whose outcome has not come back
     running: int = 0  # of those, in its engine now (its last heartbeat)
     decode_batch: int = 0  # sample ops in its decode batch (its last heartbeat)
+    reason: str | None = None  # why it is down and no worker is coming (its model cannot load)
 
 
 @dataclass

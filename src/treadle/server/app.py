@@ -1,6 +1,10 @@
 """The FastAPI app factory: settings, database, engines and every component are built in
 the lifespan, never at import, and torn down with it.
 
+A server that cannot serve a model stops at start with one line saying why (CannotStart,
+kept in `app.state.cannot_start` for `treadle serve` to print: treadle.server.main); a
+signal while it starts (`app.state.stopping`) ends the start-up at once.
+
     treadle serve --model treadle/tiny-llama=.models/tiny-llama
     treadle serve --model ... --db postgresql://db-host/treadle
 """
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -57,6 +62,7 @@ from treadle.server.core.saves import retain_after
 from treadle.server.core.sessions import Sessions
 from treadle.server.core.state import ServerState
 from treadle.server.engines.served import Engines
+from treadle.server.engines.startup import CannotStart, check_models
 from treadle.server.engines.threads import EngineFactory, default_engine_factory
 from treadle.server.engines.workers import Hooks, Workers
 from treadle.server.observe.http import ObserveRequests
@@ -84,7 +90,18 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            async with _serving(app) as started:
+                yield started
+        except CannotStart as e:
+            app.state.cannot_start = str(e)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _serving(app: FastAPI) -> AsyncIterator[None]:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        # before anything starts: each model's path, architecture and tokenizer
+        tokenizer_dirs = await asyncio.to_thread(check_models, config)
         root = packages_root(config)
         artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
         store = Store(config.resolved_db_url)
@@ -128,9 +145,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
             console.start(app, store, state.engines, spend)
         tasks: list[asyncio.Task] = []
         try:
-            await workers.start()
-            for name, path in config.models.items():
-                state.tokenizer_dirs[name] = await asyncio.to_thread(_tokenizer_dir, path, config)
+            await workers.start(app.state.stopping)
+            state.tokenizer_dirs.update(tokenizer_dirs)
             app.state.server = state
             app.state.keyring = state.keyring
             app.state.openai = OpenAIServing(state)
@@ -152,6 +168,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
                 await asyncio.to_thread(tracing.shutdown)  # the last spans
 
     app = FastAPI(title="treadle", lifespan=lifespan)
+    app.state.stopping = threading.Event()  # set by a signal: the start-up stops waiting
+    app.state.cannot_start = None  # the one line a failed start-up ends with
     # Routes are matched in order, so the ones every call uses come first.
     for module in (futures, training, sampling, session, weights, runs, treadle, checkpoints):
         app.include_router(module.router)
@@ -221,12 +239,6 @@ def _build_state(
         keyring=keyring,
         signer=Signer(),
     )
-
-
-def _tokenizer_dir(model_path: str, config: ServerConfig) -> Path:
-    from treadle.engine.models import tokenizer_folder
-
-    return tokenizer_folder(model_path, Path(config.data_dir) / "tokenizers")
 
 
 def _announce_mode(keyring: KeyRing) -> None:

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from treadle.server.tenancy.quotas import Quotas
 
@@ -133,6 +133,10 @@ class ServerConfig(BaseModel):
     starts itself). Workers on other machines need a reachable address and the token."""
     worker_token: str | None = None
     """The secret a worker must present (default: $TREADLE_WORKER_TOKEN, else random)."""
+    worker_start_tries: int = 5
+    """Workers in a row that may end before they serve (a crash at load, a model that no
+    longer loads) before their model is given up: reported down, its requests failed with
+    the reason. A model that never served and cannot load is not tried again at all."""
     engine_down_timeout_s: float = 120.0
     """Requests waiting for a model whose worker is gone this long fail (EngineDeadError)."""
     durable: bool = True
@@ -218,11 +222,11 @@ class ServerConfig(BaseModel):
             raise ValueError("models: serve at least one model (NAME=PATH)")
         return v
 
-    @field_validator("devices")
+    @field_validator("devices", "worker_start_tries")
     @classmethod
-    def _some_devices(cls, v: int) -> int:
+    def _at_least_one(cls, v: int, info: ValidationInfo) -> int:
         if v < 1:
-            raise ValueError(f"devices must be >= 1, got {v}")
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
         return v
 
     @field_validator("shard")

@@ -43,12 +43,13 @@ def run_group(config: WorkerConfig, address: str, token: str, replica: int = -1)
     import torch.distributed as dist
 
     from treadle.engine.distributed import DistributedEngine, init_group
-    from treadle.worker.process import Worker, load_engine
+    from treadle.worker.process import Worker, load_engine, model_loading
 
     _die_with_parent()
     group = init_group(config.device, config.shard)
     # FSDP: the whole base is read into host memory first, then sharded onto the devices
-    engine = load_engine(config, device="cpu" if group.fsdp else str(group.device))
+    with model_loading(config):
+        engine = load_engine(config, device="cpu" if group.fsdp else str(group.device))
     dist_engine = DistributedEngine(engine, group)
     log.info("rank %d of %d: %s on %s", group.rank, group.world, config.name, dist_engine.placement)
     if group.leader:

@@ -18,6 +18,10 @@ ends the worker at once, after telling the API which ops were running (a process
 with EXIT_ENGINE_FAULT); nothing is failed here, since the API runs the acknowledged ops
 again on the new worker its supervisor starts.
 
+A model that does not load ends the process with EXIT_LOAD_FAILED and its one-line reason
+(treadle.protocol.load_failure), and no traceback for a user's mistake (a wrong path, an
+unknown architecture, no tokenizer, too little memory): the supervisor reports it.
+
 If the API goes silent (no heartbeat for API_SILENT_S), or says it does not know this
 worker, the worker says HELLO again until it is welcomed; being welcomed again makes it
 drop every model first, since the API restores them all from its database. SIGTERM or
@@ -26,12 +30,16 @@ SHUTDOWN: run what is queued (up to drain_timeout_s), write every model's state,
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -42,6 +50,13 @@ from treadle.protocol.channel import TICK_S, Channel
 from treadle.protocol.facts import EngineFacts, StateSnapshot
 from treadle.protocol.faults import EXIT_ENGINE_FAULT, EngineFault
 from treadle.protocol.flight_recorder import FLIGHT_RECORDER_ENV, FlightRecorder, keep_crash_log
+from treadle.protocol.load_failure import (
+    EXIT_LOAD_FAILED,
+    LOAD_FAILURE_ENV,
+    expected,
+    reason_of,
+    write_reason,
+)
 from treadle.protocol.messages import Kind
 from treadle.protocol.ops import Outcome, Progress
 from treadle.protocol.worker_config import TOKEN_ENV, WorkerConfig
@@ -291,8 +306,34 @@ def run_worker(
         if in_group():
             run_group(config, address, token, replica)
             return
-        worker = Worker(config, address, token, replica)
-        signal.signal(signal.SIGTERM, lambda *_: worker.drain_and_exit())
+        with model_loading(config):
+            engine = load_engine(config)
+        worker = Worker(config, address, token, replica, engine=engine)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C on a worker started by hand
+            signal.signal(sig, lambda *_: worker.drain_and_exit())
         worker.run()
     finally:
         tracing.shutdown()  # its last spans
+    gc.freeze()  # drained: the interpreter's last collections over torch would take seconds
+
+
+@contextlib.contextmanager
+def model_loading(config: WorkerConfig) -> Iterator[None]:
+    """A worker process loading its model: a failure ends the process with EXIT_LOAD_FAILED
+    and its one-line reason, left for the supervisor (or printed, for `treadle worker` run
+    by hand); a traceback only for an error no user's mistake explains. A Ctrl-C while
+    loading ends it quietly."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - whatever it is, the model is not served
+        if not expected(e):
+            log.exception("loading %s", config.name)
+        reason = reason_of(e, config.name, config.path)
+        if os.environ.get(LOAD_FAILURE_ENV):
+            write_reason(reason)  # the supervisor says it, once
+        else:
+            print(f"treadle worker: {reason}", file=sys.stderr)
+        logging.shutdown()
+        os._exit(EXIT_LOAD_FAILED)  # no interpreter teardown: threads torch may have started

@@ -136,11 +136,11 @@ class ConsoleViews(SessionViews):
             ).all()
             runs = (
                 {
-                    m.run_id: m.session_id
+                    m.run_id: (m.session_id, m.display_name)  # its session, and its name
                     for m in conn.execute(
-                        select(M.c.run_id, M.c.session_id).where(
-                            M.c.run_id.in_({c.run_id for c in ckpts})
-                        )
+                        select(M.c.run_id, M.c.session_id, S.c.display_name)
+                        .join(S, S.c.session_id == M.c.session_id)
+                        .where(M.c.run_id.in_({c.run_id for c in ckpts}))
                     )
                 }
                 if ckpts
@@ -172,7 +172,8 @@ class ConsoleViews(SessionViews):
                     "name": c.name,
                     "type": c.checkpoint_type,
                     "base_model": c.base_model,
-                    "session_id": runs.get(c.run_id),
+                    "session_id": runs.get(c.run_id, (None, None))[0],
+                    "session_name": runs.get(c.run_id, (None, None))[1] or "",
                     "size_bytes": c.size_bytes,
                     "time": _iso(c.created_at),
                 }

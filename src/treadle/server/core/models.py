@@ -25,6 +25,7 @@ from treadle.server.storage.journal import Journal
 from treadle.server.storage.queries import insert_row, set_model_status
 from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
+from treadle.types import TRAINING_SESSION_NAME
 
 log = logging.getLogger("treadle.models")
 
@@ -154,6 +155,9 @@ class TrainingModels:
                 raise
         if model_id not in self._rows:
             self._rows[model_id] = ModelRow(**values)
+        name = (user_metadata or {}).get(TRAINING_SESSION_NAME)
+        if isinstance(name, str) and name.strip():
+            await self.sessions.name(session_id, name.strip()[:256])
         return self._rows[model_id]
 
     async def bind(self, row: ModelRow, group: str | None, output_path: str | None) -> None:

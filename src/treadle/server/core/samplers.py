@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
+from typing import Any
 
 from treadle.errors import InvalidRequestError, NotFoundError, SessionGoneError
 from treadle.server.core.checkpoints import Checkpoints
@@ -24,6 +26,20 @@ from treadle.server.storage.rows import SamplingSessionRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
 
 log = logging.getLogger("treadle.samplers")
+
+
+REPLAY_WAIT_S = 30.0
+
+
+async def _replays_done(engine: Any, ref: str) -> None:
+    """After a restart, the snapshot a sampler samples may be made again by a replay of its
+    model's op log, which runs once the engine serves again: wait for that (while replays
+    are in flight, up to REPLAY_WAIT_S) rather than refuse the sampler as freed."""
+    deadline = time.monotonic() + REPLAY_WAIT_S
+    while not engine.is_live(ref) and time.monotonic() < deadline:
+        if not any(op.replay for op in engine.unfinished()):
+            return
+        await asyncio.sleep(0.05)
 
 
 class Samplers:
@@ -62,6 +78,8 @@ class Samplers:
         except SessionGoneError as e:
             raise NotFoundError(str(e)) from e  # not 410: the tinker sampler retries it for hours
         engine = self.engines.get(row.base_model)
+        if engine is not None and row.engine_ref is not None:
+            await _replays_done(engine, row.engine_ref)
         if engine is None or (row.engine_ref is not None and not engine.is_live(row.engine_ref)):
             why = self._not_restored.get(sampling_session_id) or (
                 "its weights were freed from memory (too many newer samplers of the same model)"

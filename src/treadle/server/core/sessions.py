@@ -5,6 +5,11 @@ by silence (heartbeat_timeout_s). Ending a session frees its models and samplers
 The sessions of this process are held in memory (every call of a session touches it, so a
 lookup must cost no database read); one this process does not know was ended by a
 previous run, and is looked up once in the database to say so.
+
+A session's name (its display_name: the console's Name column, its search, the usage by
+session) is the one create_session gives, else the first training session name
+(`training_session_name`, the managed service's argument, which the SDK also sends in the
+model's user_metadata) of a model created in it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from treadle.errors import NotFoundError, SessionGoneError
 from treadle.server.core.limits import Admission
 from treadle.server.storage.database import Store
 from treadle.server.storage.journal import Journal
-from treadle.server.storage.queries import insert_row, mark_session_ended
+from treadle.server.storage.queries import insert_row, mark_session_ended, name_session
 from treadle.server.storage.rows import SessionRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
 
@@ -59,6 +64,10 @@ class Sessions:
         self._tenant[session_id] = tenant.tenant_id
         self._last_seen[session_id] = time.monotonic()
         return session_id
+
+    async def name(self, session_id: str, name: str) -> None:
+        """Name a session that has no name yet."""
+        await self.journal.run(functools.partial(name_session, session_id=session_id, name=name))
 
     def require(self, session_id: str) -> None:
         """An active session of this process (and a sign of life from it), else 404/410.

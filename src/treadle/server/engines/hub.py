@@ -65,6 +65,20 @@ class WorkerHub:
             engine.blame(running, reason)
         engine.lost(reason)
 
+    def worker_given_up(self, model: str, replica: int, reason: str) -> None:
+        """No worker of this replica is started again (its model cannot load): its requests
+        fail with the reason, and status says it is down and why."""
+        group = self.engines.get(model)
+        if group is not None and replica < len(group.replicas):
+            group.replicas[replica].give_up(reason)
+
+    def attaches(self, model: str, replica: int) -> int:
+        """How many workers of this replica have said HELLO (has the last one served?)."""
+        group = self.engines.get(model)
+        if group is None or replica >= len(group.replicas):
+            return 0
+        return group.replicas[replica].attaches
+
     def _on_message(self, frames: list[bytes]) -> None:
         identity, kind, body = frames[0], Kind(frames[1].decode()), frames[2]
         self._seen[identity] = time.monotonic()

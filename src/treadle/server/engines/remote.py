@@ -18,6 +18,9 @@ restore its model) cannot be refused that way: its model is then `unrestorable`,
 recovery gives that one model up instead of the worker restarting forever; so is a model
 whose state crashes its worker, MAX_FAULTS times, while it is loaded to restore the model
 (the worker names that restore as running: `restore_id`).
+
+A replica given up (its model cannot load: treadle.server.engines.restarts) fails its ops,
+now and later, with EngineDeadError naming why, until a worker says HELLO again.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class WorkerEngine(EngineClient):
         # what the metrics know of the workers (treadle.server.observe.metrics)
         self._faulted = False  # the worker said FAULT: its loss is counted as that cause
         self._stats = messages.WorkerStats()  # its last heartbeat's
+        self.attaches = 0  # workers that said HELLO so far
+        self.failure: str | None = None  # why this replica was given up (no worker comes)
 
     # ---- EngineClient ----
     def stop(self) -> None:
@@ -96,6 +101,9 @@ class WorkerEngine(EngineClient):
 
     def submit(self, op: Op) -> None:
         with self._lock:
+            if self.failure is not None and self._identity is None and not op.replay:
+                self._outcomes_later([Outcome.failed(op.request_id, self._down_error())])
+                return
             if op.replay:
                 op.faults = self._replay_faults.get(op.request_id, op.faults)
             self._sent[op.request_id] = op
@@ -107,6 +115,8 @@ class WorkerEngine(EngineClient):
 
     async def call(self, name: str, **args: Any) -> Any:
         with self._lock:
+            if self._identity is None and self.failure is not None:
+                raise self._down_error()
             if self._identity is None:
                 raise EngineDeadError(
                     f"the engine of model {self.name!r} is restarting; retry in a few seconds"
@@ -119,18 +129,21 @@ class WorkerEngine(EngineClient):
 
     def status(self) -> list[ReplicaStatus]:
         hello = self.worker
+        state = self.state()
         pid, device = (hello.pid or None, hello.device) if hello else (None, None)
+        reason = self.failure if state == "down" else None
         live = self._stats if self._identity is not None else messages.WorkerStats()
         return [
             ReplicaStatus(
                 self.replica,
-                self.state(),
+                state,
                 pid,
                 device,
                 (),
                 len(self._sent),
                 running=live.running,
                 decode_batch=live.decode_batch,
+                reason=reason,
             )
         ]
 
@@ -180,10 +193,28 @@ class WorkerEngine(EngineClient):
         return [op for op in ops if not op.replay]
 
     # ---- the worker's side of things (the hub's IO thread) ----
+    def give_up(self, reason: str) -> None:
+        """No worker of this replica is started again: what waits for one fails now, with
+        the reason, and so does every later op (until a worker says HELLO anyway)."""
+        with self._lock:
+            self.failure = reason
+            if self._identity is not None:
+                return
+            ops, self._sent, self._outbox = list(self._sent.values()), {}, []
+            error = self._down_error()
+        failed = [Outcome.failed(op.request_id, error) for op in ops if not op.replay]
+        if failed:
+            self._outcomes_later(failed)
+
+    def _down_error(self) -> EngineDeadError:
+        return EngineDeadError(f"model {self.name!r} is down: {self.failure}")
+
     def attach(self, identity: bytes, hello: messages.Hello) -> None:
         """A worker of this model said HELLO: restore (on the event loop), then resend."""
         with self._lock:
             self._identity = identity
+            self.attaches += 1
+            self.failure = None
             self._ready = False
             self._live.clear()
             self.facts = hello.facts

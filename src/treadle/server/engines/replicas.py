@@ -108,7 +108,8 @@ class ReplicatedEngine(EngineClient):
         """Hub thread: move the models of a replica down too long to one that serves."""
         for replica in self.replicas:
             down = replica.down_for()
-            if down is None or down < self.failover_after_s:
+            # a replica given up (its model cannot load there) moves its models at once
+            if down is None or (down < self.failover_after_s and replica.failure is None):
                 continue
             target = self._least_loaded(exclude=replica)
             if target is None:

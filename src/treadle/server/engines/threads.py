@@ -4,19 +4,23 @@ tests use runs the production worker, protocol, recovery and fault handling.
 
 One thread per served model (and replica) runs its Worker until it is drained; a worker that
 an engine fault ended is told to the hub as a worker process's exit is, and a new one (a
-fresh engine from the factory) takes its place after a short backoff.
+fresh engine from the factory) takes its place after a short backoff. An engine that does
+not load is a worker process's load failure (treadle.server.engines.restarts decides).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from treadle.protocol.load_failure import expected, reason_of
 from treadle.protocol.worker_config import WorkerConfig
 from treadle.server.config import ServerConfig
-from treadle.server.engines.supervisor import MAX_BACKOFF_S, worker_config
+from treadle.server.engines.restarts import Restarts, given_up
+from treadle.server.engines.supervisor import worker_config
 from treadle.worker.process import Worker, load_engine
 
 log = logging.getLogger("treadle.supervisor")
@@ -37,9 +41,11 @@ class ThreadWorkers:
         token: str,
         on_exit: Callable[[str, int, str, list[str]], None],
         make_engine: EngineFactory,
+        on_given_up: Callable[[str, int, str], None] = lambda *_: None,
     ):
         self.config, self.address, self.token = config, address, token
         self.on_exit = on_exit
+        self.on_given_up = on_given_up
         self.make_engine = make_engine
         self.workers: dict[tuple[str, int], Worker] = {}
         self._lock = threading.Lock()
@@ -71,19 +77,33 @@ class ThreadWorkers:
             worker.wait(timeout_s)
 
     def _run(self, wconfig: WorkerConfig, replica: int) -> None:
-        backoff = 0.5
+        name, restarts = wconfig.name, Restarts(self.config.worker_start_tries)
         while not self._stopping.is_set():
-            engine = self.make_engine(wconfig.name, wconfig.path, self.config)
-            worker = Worker(wconfig, self.address, self.token, replica, engine, in_thread=True)
-            with self._lock:
-                if self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                engine = self.make_engine(name, wconfig.path, self.config)
+            except Exception as e:  # noqa: BLE001 - any failure to load is reported, once
+                if not expected(e):
+                    log.exception("loading %s", name)
+                reason = reason_of(e, name, wconfig.path)
+                served, load_failed = False, True
+            else:
+                worker = Worker(wconfig, self.address, self.token, replica, engine, in_thread=True)
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self.workers[(name, replica)] = worker
+                worker.run()
+                if self._stopping.is_set() or worker.fault is None:
                     return
-                self.workers[(wconfig.name, replica)] = worker
-            worker.run()
-            if self._stopping.is_set() or worker.fault is None:
+                reason = f"its engine faulted ({worker.fault})"
+                served, load_failed = True, False
+            self.on_exit(name, replica, reason, [])  # a fault named its ops
+            wait_s = restarts.after_exit(served, load_failed, time.monotonic() - started)
+            if wait_s is None:
+                reason = given_up(reason, restarts.failures)
+                log.error("%s (replica %d): %s; not starting it again", name, replica, reason)
+                self.on_given_up(name, replica, reason)
                 return
-            reason = f"its engine faulted ({worker.fault})"
-            log.error("%s (replica %d): %s; starting a new one", wconfig.name, replica, reason)
-            self.on_exit(wconfig.name, replica, reason, [])  # the fault named its ops
-            self._stopping.wait(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            log.error("%s (replica %d): %s; starting a new one", name, replica, reason)
+            self._stopping.wait(wait_s)

@@ -6,6 +6,10 @@ process (`--engine-processes false`: treadle.server.engines.threads), or process
 else starts (`--start-workers false`: `treadle worker --connect ...` on other machines). All
 three speak the same protocol to the same hub; the rest of the server sees EngineClients.
 
+Start-up ends when every model's workers serve, or as soon as one model is given up (its
+worker cannot load it: CannotStart with the reason), or a signal asks the server to stop
+(StartCancelled): nothing waits forever for a worker that is not coming.
+
     workers = Workers(config, hooks, make_engine); await workers.start(); ...; await workers.stop()
 """
 
@@ -15,6 +19,7 @@ import asyncio
 import logging
 import os
 import secrets
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ from treadle.server.engines.client import OnOutcomes, OnProgress, OnSnapshot
 from treadle.server.engines.hub import WorkerHub
 from treadle.server.engines.remote import WorkerEngine
 from treadle.server.engines.replicas import ReplicatedEngine, Restore
+from treadle.server.engines.startup import CannotStart, StartCancelled
 from treadle.server.engines.supervisor import Supervisor
 from treadle.server.engines.threads import EngineFactory, ThreadWorkers
 
@@ -85,21 +91,39 @@ class Workers:
             self.hub.engines[name] = self.handles[name]
         return list(self.handles.values())
 
-    async def start(self) -> None:
-        """Start the hub and the workers; → once every model's workers serve (restored)."""
+    async def start(self, stop: threading.Event | None = None) -> None:
+        """Start the hub and the workers; → once every model's workers serve (restored).
+        CannotStart: a model was given up (the reason); StartCancelled: `stop` was set."""
         self.hub.start()
         log.info("workers connect to %s", self.hub.address)
         config, hub = self.config, self.hub
         if not config.engine_processes:
             self.starter = ThreadWorkers(
-                config, hub.address, hub.token, hub.worker_exited, self.make_engine
+                config,
+                hub.address,
+                hub.token,
+                hub.worker_exited,
+                self.make_engine,
+                on_given_up=hub.worker_given_up,
             )
         elif config.start_workers:
-            self.starter = Supervisor(config, hub.address, hub.token, hub.worker_exited)
+            self.starter = Supervisor(
+                config,
+                hub.address,
+                hub.token,
+                hub.worker_exited,
+                on_given_up=hub.worker_given_up,
+                attaches=hub.attaches,
+            )
         if self.starter is not None:
             self.starter.start()
-        handles = list(self.handles.values())
-        while not all(r.ready for h in handles for r in h.replicas):  # every model restored
+        replicas = [r for h in self.handles.values() for r in h.replicas]
+        while not all(r.ready for r in replicas):  # every model restored
+            failed = next((r.failure for r in replicas if r.failure is not None), None)
+            if failed is not None:
+                raise CannotStart(failed)
+            if stop is not None and stop.is_set():
+                raise StartCancelled("stopped while the workers were starting")
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:

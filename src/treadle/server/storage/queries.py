@@ -47,6 +47,16 @@ def insert_row(conn: Connection, cls: type[Base], values: dict[str, Any]) -> Non
     conn.execute(insert(cls.__table__), values)
 
 
+def name_session(conn: Connection, session_id: str, name: str) -> None:
+    """Give a session its display name, unless it has one (the first name given wins)."""
+    s = SessionRow.__table__
+    conn.execute(
+        update(s)
+        .where((s.c.session_id == session_id) & s.c.display_name.is_(None))
+        .values(display_name=name)
+    )
+
+
 @dataclass
 class Finished:
     """The columns a finished request's row gets: its result body or its error, and usage."""

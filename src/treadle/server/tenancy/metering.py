@@ -25,7 +25,7 @@ from sqlalchemy import Engine, func, select
 
 from treadle.errors import InvalidRequestError
 from treadle.server.config import Price
-from treadle.server.storage.rows import DEFAULT_TENANT_ID, RequestRow, TenantRow
+from treadle.server.storage.rows import DEFAULT_TENANT_ID, RequestRow, SessionRow, TenantRow
 
 USAGE_FIELD = 1001
 # The operations that process tokens; their results carry their usage.
@@ -194,6 +194,18 @@ def usage_report(
     with engine.connect() as conn:
         found = conn.execute(stmt).all()
         names = dict(conn.execute(select(TenantRow.tenant_id, TenantRow.name)).all())
+        # by session: each row also names its session (its display_name)
+        session_names = (
+            dict(
+                conn.execute(
+                    select(SessionRow.session_id, SessionRow.display_name).where(
+                        SessionRow.session_id.in_({group for _, group, *_ in found})
+                    )
+                ).all()
+            )
+            if by == "session" and found
+            else {}
+        )
     names.setdefault(DEFAULT_TENANT_ID, "default")
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     total = _zero()
@@ -208,6 +220,8 @@ def usage_report(
         row = rows.setdefault(
             (tid, label), {"tenant": names.get(tid, tid), "key": label, **_zero()}
         )
+        if by == "session":
+            row["name"] = session_names.get(group) or ""
         for acc in (row, total):
             acc["requests"] += int(n)
             for c in COUNTERS:
@@ -231,13 +245,16 @@ def _zero() -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a text table (the `treadle usage` command)."""
-    head = ["tenant", report["by"], "requests", "prefill", "sample", "train", "cost $"]
+    named = report["by"] == "session"  # a session's row also shows its name
+    head = ["tenant", report["by"], *(["name"] if named else [])]
+    head += ["requests", "prefill", "sample", "train", "cost $"]
     lines = [head]
     for row in report["rows"]:
         lines.append(
             [
                 row["tenant"],
                 row["key"],
+                *([row.get("name", "")] if named else []),
                 str(row["requests"]),
                 *(str(row[c]) for c in COUNTERS),
                 f"{row['cost_usd']:.6f}",
@@ -245,7 +262,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     t = report["total"]
     lines.append(
-        ["total", "", str(t["requests"]), *(str(t[c]) for c in COUNTERS), f"{t['cost_usd']:.6f}"]
+        ["total", "", *([""] if named else []), str(t["requests"])]
+        + [*(str(t[c]) for c in COUNTERS), f"{t['cost_usd']:.6f}"]
     )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
+from fastapi.responses import JSONResponse
 
 from treadle.errors import NotFoundError, SessionGoneError
 from treadle.server.api.deps import StateDep, TenantDep
@@ -30,9 +31,18 @@ router = APIRouter(prefix="/api/v1")
 OptionalJson = Annotated[dict[str, Any] | None, Body()]
 
 
-@router.get("/healthz")
-async def healthz() -> HealthResponse:
-    """Answered once every model is loaded (the lifespan loads them before serving)."""
+@router.get("/healthz", response_model=HealthResponse)
+async def healthz(state: StateDep) -> Any:
+    """Answered once every model is loaded (the lifespan loads them before serving); 503
+    naming the models given up since (their workers cannot load them), while any is."""
+    down = {
+        engine.name: r.reason
+        for engine in state.engines.all()
+        for r in engine.status()
+        if r.reason is not None
+    }
+    if down:
+        return JSONResponse({"status": "down", "models_down": down}, status_code=503)
     return HealthResponse()
 
 

@@ -89,6 +89,7 @@ def get_status(state: StateDep) -> dict[str, Any]:
                 "running": r.running,
                 "decode_batch": r.decode_batch,
                 "memory_mb": _rss_mb(r.worker_pid),
+                "reason": r.reason,  # why it is down for good (its model cannot load)
             }
             for r in engine.status()
         ]

@@ -10,7 +10,8 @@ GPU run uses cuda:r): first one process with a plain Engine, then a group of N r
 through DistributedEngine, as `treadle serve --devices N [--shard fsdp]` runs it. Every
 configuration does the same work: S sessions whose batches share one forward_backward
 call (rows x seq-len tokens each), then one optim_step per session; then one sample call
-of S x 4 seeded requests. The figures are tokens per second and their ratio to the one
+of S x 4 seeded requests (whole generations), and the same requests through the engine's
+continuous decode batch, the one the worker keeps (stepped 8 tokens at a time). The figures are tokens per second and their ratio to the one
 process measured in the same run. A rank is one device: one GPU, or on a CPU one core
 (--threads-per-rank 1, for the one process too), so N ranks have a ceiling of N x; the
 scaling efficiency is speedup / N. Stdout ends with one JSON line.
@@ -87,12 +88,28 @@ def measure(engine, args) -> dict:
     _sync(args.device)
     sample_s = time.perf_counter() - t
     sampled = sum(len(q.tokens) for r in results for q in r.sequences)
+    decode_s = _decode(engine, reqs[:2], args.device)  # warm-up
+    decode_s = _decode(engine, reqs, args.device)
     tokens = args.sessions * args.rows * args.seq_len
     return {
         "train_tokens_per_s": tokens / statistics.median(step_s),
         "sample_tokens_per_s": sampled / sample_s,
+        "decode_tokens_per_s": sampled / decode_s,
         "memory_bytes": _memory(args.device),
     }
+
+
+def _decode(engine, reqs, device: str) -> float:
+    """Seconds for the requests through the engine's continuous decode batch (what the
+    worker keeps between rounds), stepped 8 tokens at a time as a busy worker yields."""
+    batch = engine.decode_batch()
+    _sync(device)
+    t = time.perf_counter()
+    batch.add(reqs)
+    while len(batch):
+        batch.step(max_steps=8)
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def _sync(device: str) -> None:
@@ -186,28 +203,32 @@ def main() -> None:
     figures = {
         name: {
             k: statistics.median(f[k] for f in fs)
-            for k in ("train_tokens_per_s", "sample_tokens_per_s")
+            for k in ("train_tokens_per_s", "sample_tokens_per_s", "decode_tokens_per_s")
         }
         | {"memory_bytes": fs[0]["memory_bytes"]}
         for name, fs in runs.items()
     }
     base = figures["1"]
     print(
-        f"{'configuration':<14} {'train tok/s':>12} {'speedup':>8} {'sample tok/s':>13} {'speedup':>8}"
+        f"{'configuration':<14} {'train tok/s':>12} {'speedup':>8} {'sample tok/s':>13} "
+        f"{'speedup':>8} {'decode tok/s':>13} {'speedup':>8}"
     )
     result: dict = {"bench": "distributed", "device": args.device, "ranks": args.ranks,
                     "ceiling": ceiling, "rounds": args.rounds, "load_avg": load, "configs": {}}  # fmt: skip
     for name, f in figures.items():
         train = f["train_tokens_per_s"] / base["train_tokens_per_s"]
         sample = f["sample_tokens_per_s"] / base["sample_tokens_per_s"]
+        decode = f["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         print(
             f"{name:<14} {f['train_tokens_per_s']:>12.0f} {train:>7.2f}x "
-            f"{f['sample_tokens_per_s']:>13.0f} {sample:>7.2f}x"
+            f"{f['sample_tokens_per_s']:>13.0f} {sample:>7.2f}x "
+            f"{f['decode_tokens_per_s']:>13.0f} {decode:>7.2f}x"
         )
         result["configs"][name] = {
             **f,
             "train_speedup": round(train, 3),
             "sample_speedup": round(sample, 3),
+            "decode_speedup": round(decode, 3),
             "train_efficiency": round(train / (1 if name == "1" else ceiling), 3),
             "sample_efficiency": round(sample / (1 if name == "1" else ceiling), 3),
         }

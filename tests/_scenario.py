@@ -3,7 +3,10 @@
 `run(engine, model_dir)` drives any object with the Engine's methods (an Engine, or rank 0's
 DistributedEngine) and returns what the tests compare: per call the logprobs and losses,
 the accumulated gradients after the first forward_backward, the adapters after 5
-optim_steps, and seeded samples. `rank_main` is the body of one spawned rank.
+optim_steps, seeded samples, and a decode batch driven as the worker drives it (`decode`:
+requests of mixed adapters, a yield after a few steps, requests joining mid-generation,
+streamed tokens). Every rank logs its model calls (`ModelCalls`), so that the test can
+count each rank's decode steps. `rank_main` is the body of one spawned rank.
 """
 
 from __future__ import annotations
@@ -26,6 +29,32 @@ from treadle.engine.types import (
 
 SESSIONS = ("s0", "s1", "s2")
 STEPS = 5
+YIELD_AFTER = 3  # decode steps before the decode batch yields
+START, END = 19, 17  # lengths of the marker calls around those steps
+
+
+class ModelCalls:
+    """Every model call of this process: "d" a decode step (one token per row, with a KV
+    cache), "t<T>" a training-side call of T positions, "-" anything else."""
+
+    def __init__(self, model: Any):
+        self.log: list[str] = []
+        model.register_forward_pre_hook(self._call, with_kwargs=True)
+
+    def _call(self, module: Any, args: Any, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids")
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if not torch.is_inference_mode_enabled():
+            self.log.append(f"t{ids.shape[1]}")
+        elif cache is not None and ids.shape[1] == 1:
+            self.log.append("d")
+        else:
+            self.log.append("-")
+
+    def between_markers(self) -> list[str]:
+        """The decode steps between the START and END marker calls."""
+        start = self.log.index(f"t{START}")
+        return [c for c in self.log[start : self.log.index(f"t{END}", start)] if c == "d"]
 
 
 def _datum(rng: np.random.Generator, T: int, rl: bool = False) -> TrainDatum:
@@ -71,6 +100,66 @@ def requests() -> list[SampleRequest]:
             [2, 4, 6], params=SampleSpec(max_tokens=0), adapter="s1", prompt_logprobs=True
         )
     )
+    return out
+
+
+def decode_requests() -> tuple[list[SampleRequest], list[SampleRequest]]:
+    """Seeded requests of every kind of weights (adapters, a snapshot, the base), some of
+    several samples, one only scored; and those that join mid-generation."""
+    first = []
+    for i, s in enumerate((*SESSIONS, "snap:s1", None)):
+        params = SampleSpec(
+            max_tokens=10 + 4 * i, temperature=0.8 if i % 2 else 0.0, seed=200 + i,
+            stop_at_eos=False,
+        )  # fmt: skip
+        first.append(SampleRequest([4, 8, 15 + i, 16, 23][: 3 + i % 3], 1 + i % 2, params, s))
+    first.append(SampleRequest([2, 4, 6], params=SampleSpec(max_tokens=0), adapter="s2",
+                               prompt_logprobs=True))  # fmt: skip
+    joining = [
+        SampleRequest([42, 7], 2, SampleSpec(max_tokens=12, temperature=1.0, seed=300), "s0"),
+        SampleRequest([5, 5, 5, 5], 1, SampleSpec(max_tokens=7, seed=301), None),
+        SampleRequest([9, 1], 1, SampleSpec(max_tokens=9, temperature=0.7, seed=302), "s2"),
+    ]
+    return first, joining
+
+
+def _marker(T: int) -> list[TrainBatch]:
+    """A forward of two rows of T positions: one on each rank of two."""
+    rng = np.random.default_rng(T)
+    return [TrainBatch("s0", [_datum(rng, T), _datum(rng, T)])]
+
+
+def decode(engine: Any) -> dict[str, Any]:
+    """The decode batch as the worker drives it: requests added, YIELD_AFTER steps (until
+    says stop), other requests join, then steps to the end, streaming every request."""
+    first, joining = decode_requests()
+    batch = engine.decode_batch()
+    heard: list[tuple] = []
+    engine.forward_backward(_marker(START), forward_only=True)
+    handles = batch.add(first, stream=[True] * len(first))
+    steps = 0
+
+    def until() -> bool:
+        nonlocal steps
+        steps += 1
+        return steps >= YIELD_AFTER
+
+    done = dict(batch.step(until=until, on_tokens=heard.extend))
+    engine.forward_backward(_marker(END), forward_only=True)
+    out: dict[str, Any] = {"yielded": (steps, sorted(done), len(batch), batch.rows)}
+    out["keys"] = batch.adapter_keys()
+    handles += batch.add(joining, stream=[k != 1 for k in range(len(joining))])
+    while len(batch):
+        done.update(batch.step(on_tokens=heard.extend))
+    out["results"] = [
+        ([q.tokens for q in done[h].sequences], [q.logprobs for q in done[h].sequences])
+        for h in handles
+    ]
+    out["prompt_lps"] = done[handles[len(first) - 1]].prompt_logprobs
+    out["streamed"] = {}
+    for h, j, pos, tok, lp in heard:
+        out["streamed"].setdefault((handles.index(h), j), []).append((pos, tok, lp))
+    out["keys_after"] = batch.adapter_keys()
     return out
 
 
@@ -123,6 +212,7 @@ def run(engine: Any, bank: Any, files: Path) -> dict[str, Any]:
         [SampleRequest([1, 2, 3], params=SampleSpec(max_tokens=5, seed=7), adapter="snap:s1")]
     )
     out["snap"] = snap[0].sequences[0].tokens
+    out["decode"] = decode(engine)
     # a state saved by rank 0, loaded back (the other ranks get its bytes), and a merged export
     engine.save_state("s1", files / "state-s1")
     engine.load_state("copy", files / "state-s1")
@@ -152,6 +242,7 @@ def failures(engine: Any) -> dict[str, Any]:
         engine.forward_backward([cut])
     except GroupFailure as e:
         seen["failed"] = str(e)
+    seen |= decode_failures(engine)
     before = engine.forward_backward(mixed_batch(9), forward_only=True)
     again = engine.forward_backward(mixed_batch(9), forward_only=True)
     seen["still_serving"] = all(
@@ -159,6 +250,33 @@ def failures(engine: Any) -> dict[str, Any]:
         for x, y in zip(before, again, strict=True)
         for a, b in zip(x.outputs, y.outputs, strict=True)
     )
+    return seen
+
+
+def decode_failures(engine: Any) -> dict[str, Any]:
+    """Rank 0: a decode batch whose prefill, then whose decode step, fails on rank 1 only
+    (the second request of each add lands there): every rank raises, a failed add leaves
+    the batch as it was, and a new batch serves."""
+    from treadle.engine.distributed import GroupFailure
+
+    seen: dict[str, Any] = {}
+    ok = SampleRequest([1, 2, 3], params=SampleSpec(max_tokens=4, seed=1))
+    batch = engine.decode_batch()
+    try:
+        batch.add([ok, SampleRequest([6, 6, 6], params=SampleSpec(max_tokens=4))])
+    except GroupFailure as e:
+        seen["add_failed"] = str(e)
+    seen["after_failed_add"] = (len(batch), batch.step())
+    batch.add([ok, SampleRequest([1, 2, 3], params=SampleSpec(max_tokens=77))])
+    try:
+        batch.step()
+    except GroupFailure as e:
+        seen["step_failed"] = str(e)
+    batch = engine.decode_batch()
+    (h,) = batch.add([ok])
+    seen["served"] = [(got, r.sequences[0].tokens) for got, r in batch.step()] == [
+        (h, engine.sample([ok])[0].sequences[0].tokens)
+    ]
     return seen
 
 
@@ -177,17 +295,9 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, shard: str, out:
     shards = [
         p.to_local() if hasattr(p, "to_local") else p for p in engine.engine.model.parameters()
     ]
+    calls = ModelCalls(engine.engine.model)
     if rank == 1:  # one rank fails inside a call: the call fails everywhere, the group lives
-        from treadle.engine import dist_train
-
-        real = dist_train._batch_loss
-
-        def batch_loss(lp, batch, *rest):
-            if batch.adapter_id == "s2" and len(batch.data) == 3:
-                raise RuntimeError("rank 1 ran out of memory")
-            return real(lp, batch, *rest)
-
-        dist_train._batch_loss = batch_loss
+        _fail_on_rank_1()
     if group.leader:
         result = run(engine, engine.engine.bank, Path(out))
         result["base_numel"] = sum(p.numel() for p in shards)
@@ -196,5 +306,35 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, shard: str, out:
     else:
         engine.follow()
         result = {"adapters": {s: weights(engine.engine.bank, s) for s in (*SESSIONS, "copy")}}
+    result["decode_steps"] = calls.between_markers()
     torch.save(result, Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def _fail_on_rank_1() -> None:
+    """Rank 1's own failures: a loss of 3 rows of s2, a prefill of [6, 6, 6], a decode step
+    of a row of 77 tokens."""
+    from treadle.engine import decode, sample, train
+
+    real_loss, real_prepare, real_forward = (
+        train._batch_loss, sample.DecodeBatch.prepare, decode.Cohort.forward
+    )  # fmt: skip
+
+    def batch_loss(lp, batch, *rest):
+        if batch.adapter_id == "s2" and len(batch.data) == 3:
+            raise RuntimeError("rank 1 ran out of memory")
+        return real_loss(lp, batch, *rest)
+
+    def prepare(self, requests, stream=None):
+        if any(r.prompt == [6, 6, 6] for r in requests):
+            raise RuntimeError("rank 1 could not prefill")
+        return real_prepare(self, requests, stream)
+
+    def forward(self, engine, tok):
+        if bool((self.max_tokens == 77).any()):
+            raise RuntimeError("rank 1 could not decode")
+        return real_forward(self, engine, tok)
+
+    train._batch_loss = batch_loss
+    sample.DecodeBatch.prepare = prepare
+    decode.Cohort.forward = forward

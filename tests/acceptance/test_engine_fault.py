@@ -140,11 +140,11 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
     live_weights.LiveWeights.restore_model = restore_model
 
     if os.environ.get("RANK") == "1":  # a worker group: the fault is on rank 1's device only
-        from treadle.engine import dist_train
+        from treadle.engine import train, train_passes
 
-        real_group_fb, real_pass = dist_train.forward_backward, dist_train._pass
+        real_group_fb, real_pass = train.forward_backward, train_passes.forward
 
-        def group_forward_backward(eng, comm, batches, forward_only):
+        def group_forward_backward(eng, comm, batches, forward_only=False):
             tokens = [d.tokens for b in batches for d in b.data]
             if starts(tokens, POISON):
                 broken.append(True)
@@ -157,8 +157,8 @@ if "worker" in sys.argv:  # the engine workers only; the API process stays as it
 
         crashing = []
 
-        dist_train.forward_backward = group_forward_backward
-        dist_train._pass = rank_pass
+        train.forward_backward = group_forward_backward
+        train_passes.forward = rank_pass
 """
 
 
@@ -211,7 +211,10 @@ def start(tiny_model_dir, tmp_path, monkeypatch, **config) -> ServerProcess:
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
-    monkeypatch.setenv("PYTHONPATH", str(hook))
+    # in front of the path the tests run with (a checkout's src/, if they run from one)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    )
     config = {"snapshot_every_steps": 2, **config}
     return ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=config).start()
 

@@ -1,5 +1,9 @@
 """`treadle serve --devices 2`: a worker group of 2 gloo ranks behind the real server.
 
+The group keeps one continuous decode batch, as one worker process does: chats stream
+through it token by token (two at once: a share on each rank) and add up to the plain
+answers, and a forward_backward filed during a long generation finishes before it.
+
 A rank is killed (SIGKILL) in the middle of a large forward_backward: the other rank
 exits, torchrun ends, the server starts a new group, restores the session (last snapshot +
 replay) and the SFT loop, which has no recovery code of its own, finishes with the steps it
@@ -18,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.launch import ServerProcess
@@ -116,6 +121,99 @@ def wait_for(check, timeout_s: float, what: str):
             return value
         time.sleep(0.05)
     raise TimeoutError(what)
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_dir, tmp_path_factory):
+    server = ServerProcess(
+        {TINY: tiny_model_dir}, tmp_path_factory.mktemp("group"), config={"devices": 2}
+    ).start()
+    yield server
+    server.stop()
+
+
+def _openai(server: ServerProcess):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="tml-x", max_retries=0, timeout=300)
+
+
+def _long_chat(client, tokens: int, first_seed: int, **kw) -> tuple[dict, dict[int, str]]:
+    """A chat request whose answers run to max_tokens (the random tiny model says EOS now
+    and then), and its plain answer."""
+    for seed in range(first_seed, first_seed + 20):
+        messages = [{"role": "user", "content": f"Tell me fact number {seed}."}]
+        ask = dict(model=TINY, messages=messages, max_tokens=tokens, seed=seed, **kw)
+        plain = client.chat.completions.create(**ask)
+        if all(c.finish_reason == "length" for c in plain.choices):
+            return ask, {c.index: c.message.content for c in plain.choices}
+    raise AssertionError("no seed ran to max_tokens")
+
+
+def _stream(client, kw: dict, on_chunk=None) -> tuple[dict[int, str], list[float]]:
+    """The streamed text of each choice, and when each content chunk came."""
+    text: dict[int, str] = {}
+    times: list[float] = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.delta.content:
+                text[c.index] = text.get(c.index, "") + c.delta.content
+                times.append(time.perf_counter())
+                if on_chunk is not None:
+                    on_chunk()
+    return text, times
+
+
+def test_chats_stream_through_a_group(group):
+    """Two chats at once (one on each rank): each streams token by token while it is
+    sampled (a result sampled whole would come in one burst at its end) and adds up to
+    the plain answer for the same seed."""
+    client = _openai(group)
+    asks = [_long_chat(client, 256, 1, n=2, logprobs=True), _long_chat(client, 200, 50)]
+    got: dict[int, tuple] = {}
+    start = time.perf_counter()
+
+    def run(k: int) -> None:
+        got[k] = _stream(client, asks[k][0])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for k, (_, plain) in enumerate(asks):
+        text, times = got[k]
+        assert text == plain
+        first, last = times[0] - start, times[-1] - start
+        assert first < 0.5 * last, (first, last)
+        assert sum(1 for t in times if t - start < 0.75 * last) >= len(times) // 2
+
+
+def test_a_forward_backward_finishes_during_a_long_generation(group):
+    """A session's forward_backward filed once another's long generation streams: it waits
+    for a decode step, not for the generation (as one worker process: test_decode_loop)."""
+    client = _openai(group)
+    svc = ServiceClient(base_url=group.url)
+    tc = svc.create_lora_training_client(TINY, rank=4, seed=3)
+    kw, plain = _long_chat(client, 400, 100)
+    events: list[str] = []
+    streaming = threading.Event()
+
+    def generate() -> None:
+        text, _ = _stream(client, kw, on_chunk=lambda: (events.append("chunk"), streaming.set()))
+        events.append("end")
+        events.append(text[0])
+
+    gen = threading.Thread(target=generate)
+    gen.start()
+    assert streaming.wait(120)
+    fb = tc.forward_backward([_datum(x, y) for x, y in data(0)], "cross_entropy").result()
+    events.append("fb")
+    gen.join(300)
+    assert np.isfinite(fb.metrics["loss:sum"])
+    at = events.index("fb")
+    assert events.index("end") > at and events[at:].count("chunk") >= 20, events[at - 3 : at + 3]
+    assert events[-1] == plain[0]
+    svc.close()
 
 
 def test_a_rank_killed_mid_step_and_the_loop_finishes(tiny_model_dir, tmp_path):

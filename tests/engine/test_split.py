@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from treadle.engine.dist_train import share
+from treadle.engine.train_passes import share
 
 
 def shares(weights: list[int], world: int) -> list[tuple[int, int]]:

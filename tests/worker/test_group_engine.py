@@ -4,7 +4,9 @@ The same calls (tests/_scenario.py) run on one Engine here and on a group
 spawned with torch.multiprocessing: a forward_backward whose batch mixes 3 sessions (one of
 them in two batches, all cut between the ranks), a call of one row (one rank has nothing),
 a forward, an infinite loss beside a good batch of its adapter, 5 optim_steps, seeded
-samples from adapters, a snapshot and the base. With and without FSDP2.
+samples from adapters, a snapshot and the base, and the continuous decode batch the worker
+keeps (the same tokens, logprobs and streamed tokens; every rank yields after the same
+step; requests join mid-generation). With and without FSDP2.
 
     .venv/bin/python -m pytest -q tests/worker/test_group_engine.py
 """
@@ -97,9 +99,17 @@ def test_two_ranks_equal_one_process(reference, tiny_model_dir, tmp_path, shard)
     for key in merged:  # under FSDP too: the whole weights, merged
         _close(merged[key], ref_merged[key])
 
+    _same_decoding(reference["decode"], got["decode"])
+    # the yield: every rank ran exactly the steps rank 0's until() allowed
+    assert got["decode_steps"] == other["decode_steps"] == ["d"] * scenario.YIELD_AFTER
+
     after = got["after_failures"]
     assert "outside the vocabulary" in after["refused"]
     assert after["failed"] == "rank 1 ran out of memory"
+    assert after["add_failed"] == "rank 1 could not prefill"
+    assert after["after_failed_add"] == (0, [])  # rank 0's share of that add was not kept
+    assert after["step_failed"] == "rank 1 could not decode"
+    assert after["served"]
     assert after["still_serving"]
 
     full = sum(p.numel() for p in scenario_base(tiny_model_dir).parameters())
@@ -107,6 +117,27 @@ def test_two_ranks_equal_one_process(reference, tiny_model_dir, tmp_path, shard)
         assert got["base_numel"] < 0.6 * full
     else:
         assert got["base_numel"] == full
+
+
+def _same_decoding(ref: dict, got: dict) -> None:
+    """The group's decode batch against one process's: the same yield, the same adapters
+    routed, the same tokens (logprobs to 1e-5), and streamed tokens that are the results."""
+    assert got["yielded"] == ref["yielded"]
+    steps, handed_back, open_requests, rows = got["yielded"]
+    assert steps == scenario.YIELD_AFTER and open_requests > 0 and rows > 0
+    assert got["keys"] == ref["keys"] == {"s0", "s1", "s2", "snap:s1"}
+    assert got["keys_after"] == ref["keys_after"] == set()
+    for (ref_tokens, ref_lps), (tokens, lps) in zip(ref["results"], got["results"], strict=True):
+        assert tokens == ref_tokens
+        for a, b in zip(ref_lps, lps, strict=True):
+            _close(a, b)
+    _close(got["prompt_lps"][1:], ref["prompt_lps"][1:])
+    assert got["streamed"].keys() == ref["streamed"].keys()
+    for (i, j), heard in got["streamed"].items():
+        tokens, lps = got["results"][i][0][j], got["results"][i][1][j]
+        assert [pos for pos, _, _ in heard] == list(range(len(tokens)))
+        assert [tok for _, tok, _ in heard] == tokens
+        assert [lp for _, _, lp in heard] == pytest.approx(lps, abs=1e-6)
 
 
 def scenario_base(model_dir: Path):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from treadle.engine.dist_train import share
 from treadle.engine.sample_utils import validate_request
+from treadle.engine.train_passes import share
 from treadle.engine.types import SampleRequest, SampleResult
 
 
@@ -31,11 +31,11 @@ def sample(engine: Any, comm: Any, requests: list[SampleRequest]) -> list[Sample
     for i, req in enumerate(requests):
         validate_request(engine, req, i)
     costs = [r.num_samples * (len(r.prompt) + r.params.max_tokens) for r in requests]
-    lo, hi = share(costs, comm.group.rank, comm.group.world)
+    lo, hi = share(costs, comm.rank, comm.world)
     mine = requests[lo:hi]
     results: list[SampleResult] = []
     failure: BaseException | None = None
-    with lockstep(engine, comm) if comm.group.fsdp else contextlib.nullcontext():
+    with lockstep(engine, comm) if comm.fsdp else contextlib.nullcontext():
         try:
             results = engine.sample(mine) if mine else []
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
@@ -64,7 +64,7 @@ def lockstep(engine: Any, comm: Any) -> Iterator[None]:
         try:
             one = torch.zeros((1, 1), dtype=torch.long, device=engine.device)  # (1, 1)
             while comm.vote(0):
-                with torch.inference_mode():
+                with torch.inference_mode(), engine.bank.rows([None]):
                     model(input_ids=one, use_cache=False, logits_to_keep=1)
         finally:
             handle.remove()

@@ -12,10 +12,14 @@ the same adapters, snapshots and optimizer states; nothing but rank 0 reads or w
 file, and nothing but rank 0 decides anything.
 
 What each call does across the group:
-- forward_backward: each rank takes a contiguous share of the rows (treadle.engine.
-  dist_train), LoRA gradients are summed across ranks, outputs gathered to rank 0: the
-  result is that of one process on the whole batch;
-- sample: each rank takes a share of the requests (treadle.engine.dist_sample);
+- forward_backward: each rank takes a contiguous share of the rows (treadle.engine.train,
+  the path of one process too, which is the group of one), LoRA gradients are summed
+  across ranks, outputs gathered to rank 0: the result is that of one process on the
+  whole batch;
+- decode_batch: the continuous decode batch the worker keeps between rounds, each rank
+  decoding a share of its rows, every rank stepping together (treadle.engine.dist_decode);
+- sample: whole generations, each rank taking a share of the requests
+  (treadle.engine.dist_sample);
 - create / drop / snapshot / optim_step: every rank does the same on the same numbers, then
   the ranks check that they agree on whether it succeeded;
 - load_*: rank 0 reads and checks the folder, then sends its files to the other ranks, which
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import threading
@@ -43,12 +46,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from treadle.engine.device_faults import is_device_fault
+from treadle.engine.comm import GroupBroken, GroupComm, GroupFailure
 from treadle.engine.engine import Engine
 from treadle.engine.types import (
     AdamSpec,
@@ -59,6 +62,11 @@ from treadle.engine.types import (
     TrainResult,
 )
 from treadle.errors import TreadleError
+
+if TYPE_CHECKING:
+    from treadle.engine.dist_decode import GroupDecodeBatch, RankShare
+
+__all__ = ["DistributedEngine", "Group", "GroupBroken", "GroupFailure", "init_group"]
 
 log = logging.getLogger("treadle.distributed")
 
@@ -113,11 +121,6 @@ def init_group(device: str = "cpu", shard: str = "none", timeout_s: float = 600.
     return Group(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, control, shard)
 
 
-class GroupBroken(RuntimeError):
-    """The group cannot act as one engine any more: raised once on_broken returns (it
-    ends the process unless a test gave its own)."""
-
-
 class DistributedEngine:
     """The Engine interface over a group: rank 0 calls it, the other ranks follow()."""
 
@@ -129,8 +132,9 @@ class DistributedEngine:
     ):
         self.engine = engine
         self.group = group
-        self._on_broken = on_broken or _exit_broken
+        self.comm = GroupComm(group, engine.device, on_broken or _exit_broken)
         self._lock = threading.Lock()  # one call at a time on the control group
+        self._share: RankShare | None = None  # this rank's rows of the decode batch
         if group.fsdp:
             from treadle.engine.fsdp import shard_base
 
@@ -200,6 +204,15 @@ class DistributedEngine:
             self._tell("sample", (requests,))
             return self._sample(requests)
 
+    def decode_batch(self) -> GroupDecodeBatch:
+        """An empty decode batch over the group (the DecodeBatch interface; a new one
+        replaces the last on every rank)."""
+        from treadle.engine.dist_decode import GroupDecodeBatch
+
+        with self._lock:
+            self._tell("decode_new", ())
+            return GroupDecodeBatch(self, self._decode_new())
+
     # ---- checkpoints: rank 0 reads and writes, the others get the bytes ----
     def save_adapter(self, adapter_or_snapshot_id: str, out_dir: str | Path) -> None:
         self.engine.save_adapter(adapter_or_snapshot_id, out_dir)
@@ -239,6 +252,9 @@ class DistributedEngine:
             "forward_backward": self._forward_backward,
             "sample": self._sample,
             "load": self._run_load,
+            "decode_new": self._decode_new,
+            "decode_add": self._decode_add,
+            "decode_step": self._decode_step,
         }
         while True:
             name, args = self._receive()
@@ -297,16 +313,40 @@ class DistributedEngine:
         self._agree(name, code)
 
     def _forward_backward(self, batches: list[TrainBatch], forward_only: bool) -> list[TrainResult]:
-        from treadle.engine import dist_train
+        from treadle.engine import train
 
         return self._collective(
-            dist_train.forward_backward, self.engine, self, batches, forward_only
+            train.forward_backward, self.engine, self.comm, batches, forward_only
         )
 
     def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         from treadle.engine import dist_sample
 
-        return self._collective(dist_sample.sample, self.engine, self, requests)
+        return self._collective(dist_sample.sample, self.engine, self.comm, requests)
+
+    # ---- the decode batch: this rank's share (rank 0's GroupDecodeBatch calls these) ----
+    def _decode_new(self) -> RankShare:
+        from treadle.engine.dist_decode import RankShare
+
+        self._share = RankShare(self.engine, self.comm)
+        return self._share
+
+    def _decode_add(self, *args: Any) -> None:
+        self._decode("add", *args)
+
+    def _decode_step(self, *args: Any) -> None:
+        self._decode("run_steps", *args)
+
+    def _decode(self, name: str, *args: Any) -> None:
+        share = self._share
+        if share is None:  # rank 0 never steps a batch whose step failed (nor adds to it)
+            self.broken(f"decode {name} on rank {self.group.rank}, which holds no decode batch")
+        try:
+            self._collective(getattr(share, name), *args)
+        except Exception:
+            if name == "run_steps":
+                self._share = None  # a failed step leaves a decode batch unusable
+            raise
 
     def _collective(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a call that every rank takes part in. Its request errors and the failures
@@ -319,89 +359,23 @@ class DistributedEngine:
         except Exception as e:  # noqa: BLE001
             self.broken(f"{fn.__module__}.{fn.__name__}: {type(e).__name__}: {e}")
 
-    # ---- collectives (a failure of any of them ends the group) ----
+    # ---- collectives (treadle.engine.comm; a failure of any of them ends the group) ----
     def _tell(self, name: str, args: tuple) -> None:
-        assert self.group.leader
-        if self.group.world > 1:
-            self._safely(
-                dist.broadcast_object_list, [(name, args)], src=0, group=self.group.control
-            )
+        self.comm.tell(name, args)
 
     def _receive(self) -> tuple[str, tuple]:
-        box: list[Any] = [None]
-        self._safely(dist.broadcast_object_list, box, src=0, group=self.group.control)
-        return box[0]
+        return self.comm.receive()
 
     def _agree(self, name: str, code: int) -> None:
-        """All ranks must have ended `name` the same way (0 ok, 1 refused, 2 failed)."""
-        if self.group.world == 1:
-            return
-        t = torch.tensor([code, -code], dtype=torch.int64)
-        self._safely(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group.control)
-        if int(t[0]) != -int(t[1]):
-            self.broken(f"ranks disagree on how {name} ended (codes {-int(t[1])}..{int(t[0])})")
-
-    def vote(self, value: int) -> int:
-        """The largest value any rank gives (a control-group all-reduce)."""
-        t = torch.tensor([value], dtype=torch.int64)
-        self._safely(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group.control)
-        return int(t[0])
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum t over the ranks in place (the default group: the device's backend)."""
-        self._safely(dist.all_reduce, t, op=dist.ReduceOp.SUM)
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's obj at rank 0 (in rank order); None elsewhere."""
-        out = [None] * self.group.world if self.group.leader else None
-        self._safely(dist.gather_object, obj, out, dst=0, group=self.group.control)
-        return out
-
-    def raise_failures(self, failure: BaseException | None) -> None:
-        """Collective: if any rank failed, every rank raises (the first failure, at rank 0);
-        if some rank's device is unusable after it, an AcceleratorError naming that rank."""
-        fault = failure is not None and is_device_fault(failure, self.engine.device)
-        if not self.vote(2 if fault else int(failure is not None)):
-            return
-        failures: list[Any] = [None] * self.group.world
-        mine = (fault, _picklable(failure))
-        self._safely(dist.all_gather_object, failures, mine, group=self.group.control)
-        faulted = [(rank, f) for rank, (bad, f) in enumerate(failures) if bad]
-        if faulted:
-            rank, f = faulted[0]
-            raise torch.AcceleratorError(f"rank {rank}: {f}")
-        first = next(f for _, f in failures if f is not None)
-        raise first if isinstance(first, TreadleError) else GroupFailure(str(first))
-
-    def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a rank is gone or the group is stuck
-            self.broken(f"{fn.__name__} failed: {type(e).__name__}: {e}")
+        self.comm.agree(name, code)
 
     def broken(self, reason: str) -> None:
-        log.critical("rank %d: the worker group is broken: %s", self.group.rank, reason)
-        self._on_broken(reason)
-        raise GroupBroken(reason)  # on_broken did not end the process
-
-
-class GroupFailure(RuntimeError):
-    """A call failed on some rank (every rank raises it; the group is still whole)."""
+        self.comm.broken(reason)
 
 
 def _exit_broken(reason: str) -> None:
     logging.shutdown()
     os._exit(GROUP_BROKEN)
-
-
-def _picklable(e: BaseException | None) -> BaseException | None:
-    if e is None:
-        return None
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _read_folder(folder: Path) -> dict[str, bytes]:

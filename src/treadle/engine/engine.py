@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from treadle.engine import checkpoints, optim, train
 from treadle.engine.checkpointing import LayerCheckpointing
+from treadle.engine.comm import ONE_RANK
 from treadle.engine.logprobs import check_head
 from treadle.engine.lora import AdapterBank
 from treadle.engine.memory import MemoryPlan, MemorySettings, ModelShape
@@ -106,23 +107,16 @@ class Engine:
     def forward_backward(
         self, batches: list[TrainBatch], forward_only: bool = False
     ) -> list[TrainResult]:
-        """One model pass over the rows of all batches (several sessions), routed per row.
+        """One model pass over the rows of all batches (several sessions), routed per row
+        (several passes when the memory budget asks for it; treadle.engine.train: the path
+        of a group too, of which one process is the group of one).
 
         Gradients accumulate into each adapter until its optim_step.
         Raises InvalidRequestError naming the key and expected shape for bad inputs.
         """
         lengths = [len(d.tokens) for b in batches for d in b.data]
         with threads_for(len(lengths) * max(lengths, default=0)):  # the padded (B, T) fed
-            return train.forward_backward(
-                self.model,
-                self.bank,
-                batches,
-                vocab_size=self.vocab_size,
-                max_seq_len=self.max_seq_len,
-                forward_only=forward_only,
-                plan=self.memory_plan,
-                layers=self.layer_checkpointing,
-            )
+            return train.forward_backward(self, ONE_RANK, batches, forward_only)
 
     def optim_step(self, adapter_id: str, spec: AdamSpec) -> dict[str, float]:
         """AdamW (torch's) on the accumulated gradients; returns grad_norm:mean, learning_rate:mean."""

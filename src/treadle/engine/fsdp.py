@@ -8,7 +8,7 @@ its backward), then freed. A model larger than one device's memory fits on sever
 Treadle's LoRA (treadle.engine.lora) is an instance-level forward on each targeted
 nn.Linear, inside those layers: it reads `module.weight` when called, which FSDP has
 unsharded by then, and adds each row's `B(A(x))`. The adapters themselves are small and
-stay whole on every rank (replicated, summed gradients: treadle.engine.dist_train). The
+stay whole on every rank (replicated, summed gradients: treadle.engine.train). The
 merged-weight path of a single adapter (W + s B A in one matmul) is turned off, and a
 merged export loads a whole copy of the base on the CPU of rank 0.
 """

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,14 @@ class DecodeBatch:
         request i's tokens as they are sampled (step's on_tokens). Requests that need no new
         tokens (max_tokens 0) are finished at once; step() hands their results back.
         """
+        return self.commit(self.prepare(requests, stream))
+
+    def prepare(
+        self, requests: list[SampleRequest], stream: list[bool] | None = None
+    ) -> _Admission:
+        """add's model work (plan, score, prefill, expand, join), which changes nothing of
+        the batch: `commit` makes it the batch's (a group commits once every rank's
+        prepare succeeded)."""
         engine = self.engine
         for i, req in enumerate(requests):
             validate_request(engine, req, i)
@@ -143,28 +151,37 @@ class DecodeBatch:
             cohort = _prefill_and_expand(engine, plan, requests, results, handles, stream)
             plan.fill_prompt_logprobs(requests, results)
             running, waiting = self.cohort, list(self.waiting)
-            if cohort is None or cohort.cache is None:
+            done: list[tuple[tuple[int, int], SampledSeq]] = []
+            if cohort is None:
                 pass
+            elif cohort.cache is None:
+                # every row ends at its first token, which the prefill gives: no decode step
+                _, finished, _ = cohort.pick()
+                done = list(
+                    zip([cohort.owner[b] for b in finished], cohort.seqs(finished), strict=True)
+                )
             elif running is None:
                 running = cohort
             elif joinable(running) and joinable(cohort):
                 running = join(running, cohort)
             else:
                 waiting.append(cohort)
-            # nothing above changed the batch: from here on, nothing fails
-            self.cohort, self.waiting = running, deque(waiting)
-            for h, req, res in zip(handles, requests, results, strict=True):
-                n = req.num_samples
-                if req.params.max_tokens == 0:
-                    res.sequences = [SampledSeq([], [], "length") for _ in range(n)]
-                    self._ready.append((h, res))
-                else:
-                    self._pending[h] = _Pending(res, [None] * n, n)
-            if cohort is not None and cohort.cache is None:
-                # every row ends at its first token, which the prefill gives: no decode step
-                _, finished, _ = cohort.pick()
-                self._harvest(cohort, finished)
-        return handles
+        return _Admission(handles, requests, results, running, deque(waiting), done)
+
+    def commit(self, admission: _Admission) -> list[int]:
+        """Make a prepared admission the batch's (nothing here fails): → its handles."""
+        a = admission
+        self.cohort, self.waiting = a.running, a.waiting
+        for h, req, res in zip(a.handles, a.requests, a.results, strict=True):
+            n = req.num_samples
+            if req.params.max_tokens == 0:
+                res.sequences = [SampledSeq([], [], "length") for _ in range(n)]
+                self._ready.append((h, res))
+            else:
+                self._pending[h] = _Pending(res, [None] * n, n)
+        for owner, seq in a.done:
+            self._finished(owner, seq)
+        return a.handles
 
     def drop(self, handles: set[int]) -> dict[int, int]:
         """Stop decoding these requests (cancelled) between two steps: their rows leave the
@@ -204,13 +221,34 @@ class DecodeBatch:
         those add() finished at once. `on_tokens` hears the tokens of streamed requests
         after every step. A step that fails leaves the batch unusable: drop it.
         """
+        with self.decoding(on_tokens) as one_step:
+            for _ in range(max_steps):
+                if not one_step():
+                    break
+                if until is not None and until():
+                    break
+        return self.take_results()
+
+    def take_results(self) -> list[tuple[int, SampleResult]]:
+        """The finished requests not handed back yet (and forget them)."""
+        out, self._ready = self._ready, []
+        return out
+
+    @contextlib.contextmanager
+    def decoding(
+        self, on_tokens: Callable[[list[StreamedToken]], None] | None = None
+    ) -> Iterator[Callable[[], bool]]:
+        """A context giving `one_step()`: decode one token per row (→ False, having done
+        nothing, when no row is left). The rows stay routed from one step to the next."""
         bank = self.engine.bank
         with torch.inference_mode(), contextlib.ExitStack() as routed, CallThreads() as threads:
             route_for: Cohort | None = None  # the cohort whose keys are routed now
-            for _ in range(max_steps):
+
+            def one_step() -> bool:
+                nonlocal route_for
                 if self.cohort is None:
                     if not self.waiting:
-                        break
+                        return False
                     self.cohort = self.waiting.popleft()
                 c = self.cohort
                 threads.fit(len(c))  # a step feeds one token per row
@@ -221,32 +259,47 @@ class DecodeBatch:
                     self._harvest(c, finished)
                 if c.all_done:
                     self.cohort = None
-                else:
-                    if c.compact_due():
-                        keep = (~c.done).nonzero().squeeze(1)  # (n',)
-                        tok = tok[keep]
-                        c.select(keep)
-                        route_for = None  # the adapter keys must follow the rows
-                    if route_for is not c:
-                        routed.close()
-                        routed.enter_context(bank.rows(c.keys))
-                        route_for = c
-                    c.forward(self.engine, tok)
-                if until is not None and until():
-                    break
-        out, self._ready = self._ready, []
-        return out
+                    return True
+                if c.compact_due():
+                    keep = (~c.done).nonzero().squeeze(1)  # (n',)
+                    tok = tok[keep]
+                    c.select(keep)
+                    route_for = None  # the adapter keys must follow the rows
+                if route_for is not c:
+                    routed.close()
+                    routed.enter_context(bank.rows(c.keys))
+                    route_for = c
+                c.forward(self.engine, tok)
+                return True
+
+            yield one_step
 
     def _harvest(self, c: Cohort, rows: list[int]) -> None:
         for b, seq in zip(rows, c.seqs(rows), strict=True):
-            h, j = c.owner[b]
-            p = self._pending[h]
-            p.seqs[j] = seq
-            p.left -= 1
-            if p.left == 0:
-                p.result.sequences = p.seqs  # type: ignore[assignment]
-                self._ready.append((h, p.result))
-                del self._pending[h]
+            self._finished(c.owner[b], seq)
+
+    def _finished(self, owner: tuple[int, int], seq: SampledSeq) -> None:
+        h, j = owner
+        p = self._pending[h]
+        p.seqs[j] = seq
+        p.left -= 1
+        if p.left == 0:
+            p.result.sequences = p.seqs  # type: ignore[assignment]
+            self._ready.append((h, p.result))
+            del self._pending[h]
+
+
+@dataclass
+class _Admission:
+    """What DecodeBatch.prepare made of some requests, for commit: their handles and
+    results, the batch's rows with theirs joined, and the samples the prefill finished."""
+
+    handles: list[int]
+    requests: list[SampleRequest]
+    results: list[SampleResult]
+    running: Cohort | None
+    waiting: deque[Cohort]
+    done: list[tuple[tuple[int, int], SampledSeq]]
 
 
 # ---- add, its model passes (the plan: sample_plan.py, the decode rows: sample_cohort.py) --

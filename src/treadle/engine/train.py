@@ -1,11 +1,25 @@
-"""forward / forward_backward over the batches of several sessions in one model pass (the
-optimizer step is treadle.engine.optim).
+"""forward / forward_backward over the batches of several sessions, on one process or on the
+ranks of a group: one code path, in which one process is the group of one (the optimizer
+step is treadle.engine.optim).
 
 All rows of all batches go through the model together, right-padded to the longest, each
-row routed to its session's adapter (AdapterBank.rows). Each batch then gets its own loss;
-the sum of the finite ones is backpropagated once, and since an adapter's parameters only
-touch its own rows, every adapter receives exactly the gradient of its own batch. Gradients
-accumulate in the parameters' .grad until that adapter's optim_step.
+row routed to its session's adapter (AdapterBank.rows). Each rank of a group (rank 0 told
+them all the same batches: treadle.engine.distributed) runs the same call:
+
+1. every rank checks every batch (the same checks, so they all refuse alike);
+2. it takes its share of the rows, in as many passes as the memory budget asks for
+   (treadle.engine.train_passes; one process: all rows, usually in one pass); each pass
+   is one model call and, when training, one backward over its pieces' finite losses,
+   each batch's rows routed to an alias of its adapter, so that every batch gets its own
+   gradients;
+3. the batches' losses are summed over the ranks, with a flag for a rank that failed
+   (`comm.sum_values`: one all-reduce; one process: the values themselves);
+4. each batch whose loss is finite has its gradients summed over the ranks
+   (`comm.sum_tensors`), and they are added to its adapter's .grad only if the result stays
+   finite (`add_or_blame`), on every rank alike: each adapter receives exactly the gradient
+   of its own batches, as one pass of one process would give it; gradients accumulate in
+   .grad until that adapter's optim_step;
+5. the per-datum logprobs are gathered to rank 0, which builds the results.
 
 Containment: one tenant's numbers never leak into another's. A batch whose loss or new
 gradients are not finite adds nothing to its adapter (its result carries `nonfinite:sum` 1),
@@ -18,6 +32,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +50,6 @@ from treadle.engine.logprobs import (
 from treadle.engine.lora import Adapter, AdapterBank, tensor_peaks
 from treadle.engine.lora_adapters import UNEMBED
 from treadle.engine.losses import CLIP_DEFAULTS, FLOAT_KEYS, LOSSES, as_int64, validate_batch
-from treadle.engine.memory import MemoryPlan
 from treadle.engine.specs import check_fit
 from treadle.engine.types import TrainBatch, TrainResult
 
@@ -46,65 +60,108 @@ NONFINITE = "nonfinite:sum"
 
 
 def forward_backward(
-    model: nn.Module,
-    bank: AdapterBank,
-    batches: list[TrainBatch],
-    vocab_size: int,
-    max_seq_len: int,
-    forward_only: bool = False,
-    plan: MemoryPlan | None = None,
-    layers: LayerCheckpointing | None = None,
+    engine: Any, comm: Any, batches: list[TrainBatch], forward_only: bool = False
 ) -> list[TrainResult]:
     """Logprobs and loss of every batch; gradients into each adapter unless forward_only.
+    Rank 0 (one process: the process) gets the results, the other ranks [].
 
-    forward_only also accepts snapshot ids; forward_backward needs live adapters. Metrics:
-    `loss:sum` and NONFINITE; a non-finite batch leaves its adapter's gradients as they were
-    and the other batches of the call exactly as if it had not been there.
-
-    With a memory plan (treadle.engine.memory), a sequence longer than any pass can hold is
-    refused before anything is allocated, the decoder layers are checkpointed where the
-    plan says so (`layers`), and a call too large for one pass runs as several
-    (treadle.engine.train_passes).
+    `engine` gives model, bank, vocab_size, max_seq_len, device, and optionally
+    memory_plan and layer_checkpointing (treadle.engine.memory: a sequence longer than any
+    pass holds is refused before anything is allocated; layers are checkpointed where the
+    plan says so); `comm` is the ranks' communicator (treadle.engine.comm: ONE_RANK for one
+    process). forward_only also accepts snapshot ids; forward_backward needs live adapters.
+    Metrics: `loss:sum` and NONFINITE; a non-finite batch leaves its adapter's gradients as
+    they were and the other batches of the call exactly as if it had not been there.
     """
+    from treadle.engine import train_passes as passes  # it builds on this module
+
+    bank: AdapterBank = engine.bank
     for batch in batches:
-        validate_batch(batch, vocab_size, max_seq_len)
-        if forward_only:
-            bank.get(batch.adapter_id)
-        else:
-            bank.live(batch.adapter_id)
+        validate_batch(batch, engine.vocab_size, engine.max_seq_len)
+        bank.get(batch.adapter_id) if forward_only else bank.live(batch.adapter_id)
     if not batches:
         return []
     train = not forward_only
+    plan = getattr(engine, "memory_plan", None)
     if plan is not None:
-        from treadle.engine import train_passes  # it builds on this module
-
         lengths = [len(d.tokens) for b in batches for d in b.data]
         check_fit(lengths, plan.longest(train), plan.describe(train), "datum {i}: ")
-        passes = train_passes.plan_passes(batches, plan, train)
-        if len(passes) > 1:
-            return train_passes.run_passes(model, bank, batches, passes, train, plan, layers)
-    keys = [b.adapter_id for b in batches for _ in b.data]
-    tokens = len(keys) * max(len(d.tokens) for b in batches for d in b.data)
-    checkpointed = plan is not None and plan.checkpoints(tokens, train)
-    losses: list[torch.Tensor] = []
-    outputs: list[list[dict[str, np.ndarray]]] = []
-    with torch.set_grad_enabled(train):
-        lps, targets, lengths = model_pass(model, bank, batches, keys, layers, checkpointed)
+    mine = passes.rank_passes(batches, plan, train, comm)
+    values = [0.0] * len(batches)  # this rank's part of each batch's loss
+    outputs: dict[int, list[dict[str, np.ndarray]]] = {}
+    grads: dict[int, list[torch.Tensor | None]] = {}
+    failure: BaseException | None = None
+    with torch.set_grad_enabled(train), passes.aliased(bank, batches, train) as aliases:
+        for k, p in enumerate(mine):
+            last = k == len(mine) - 1
+            try:
+                ran = passes.forward(engine, p, aliases, train, comm.fsdp)
+                for i, v in ran.values.items():
+                    values[i] += v
+                    outputs.setdefault(i, []).extend(ran.outputs[i])
+            except Exception as e:  # noqa: BLE001 - every rank hears of it below
+                failure = e
+            if _stop(comm, failure, more=train or not last):
+                break
+            if train:
+                try:
+                    passes.backward(ran, aliases, grads)
+                except Exception as e:  # noqa: BLE001
+                    failure = e
+                if _stop(comm, failure, more=not last):
+                    break
+            del ran
+    totals, failed = comm.sum_values(values, failure is not None)
+    if failed:
+        comm.raise_failures(failure)
+    bad = [not math.isfinite(v) for v in totals]
+    if train and not all(bad):
+        good = [i for i in range(len(batches)) if not bad[i]]
+        held = [passes.filled(grads.get(i), aliases[i]) for i in good]
+        summed = comm.sum_tensors([g for gs in held for g in gs])
+        per_batch: dict[int, tuple[torch.Tensor, ...]] = {}
         start = 0
-        for batch, lp, target in zip(batches, lps, targets, strict=True):
-            stop = start + len(batch.data)
-            loss, outs = _batch_loss(lp, batch, lengths[start:stop], target)
-            losses.append(loss)
-            outputs.append(outs)
-            start = stop
-    values = torch.stack([loss.detach() for loss in losses]).tolist()  # one host sync
-    bad = [not math.isfinite(v) for v in values]
-    if train:
-        bad = _accumulate(bank, batches, losses, bad)
+        for i, gs in zip(good, held, strict=True):
+            per_batch[i], start = tuple(summed[start : start + len(gs)]), start + len(gs)
+        _accumulate(bank, batches, per_batch, bad)
+    gathered = comm.gather(list(outputs.items()))
+    if gathered is None:
+        return []
+    merged: list[list[dict[str, np.ndarray]]] = [[] for _ in batches]
+    for part in gathered:
+        for i, outs in part:
+            merged[i] += outs
     return [
         TrainResult(outs, {"loss:sum": value, NONFINITE: float(b)})
-        for outs, value, b in zip(outputs, values, bad, strict=True)
+        for outs, value, b in zip(merged, totals, bad, strict=True)
     ]
+
+
+def _stop(comm: Any, failure: BaseException | None, more: bool) -> bool:
+    """Whether this rank stops its passes after a failure. Under FSDP, when another
+    collective follows, the ranks vote: all stop together, or a rank that stopped alone
+    would leave the others waiting in their next model call."""
+    if comm.fsdp and more:
+        return bool(comm.vote(int(failure is not None)))
+    return failure is not None
+
+
+def _accumulate(
+    bank: AdapterBank,
+    batches: list[TrainBatch],
+    per_batch: dict[int, tuple[torch.Tensor, ...]],
+    bad: list[bool],
+) -> None:
+    """Add each finite batch's (summed) gradients to its adapter's .grad where the result
+    stays finite; the batches that added nothing are marked in `bad`."""
+    of_adapter: dict[str, list[int]] = {}
+    for i in per_batch:
+        of_adapter.setdefault(batches[i].adapter_id, []).append(i)
+    for adapter_id, ids in of_adapter.items():
+        together = per_batch[ids[0]]
+        for i in ids[1:]:
+            together = tuple(a + b for a, b in zip(together, per_batch[i], strict=True))
+        add_or_blame(bank.live(adapter_id), together, ids, per_batch.__getitem__, bad)
 
 
 def model_pass(
@@ -155,49 +212,6 @@ def _plain_head(bank: AdapterBank, keys: list[str | None]) -> bool:
     """Whether no row has a LoRA on the unembedding (a fused kernel may then read it)."""
     heads = [path for path, kind in bank.targets.items() if kind == UNEMBED]
     return not any(p in bank.get(k).layers for k in set(keys) if k is not None for p in heads)
-
-
-def _accumulate(
-    bank: AdapterBank, batches: list[TrainBatch], losses: list[torch.Tensor], bad: list[bool]
-) -> list[bool]:
-    """Add each batch's gradients to its adapter's .grad where the result stays finite.
-
-    One backward over the sum of the finite losses, gradients taken fresh (autograd.grad)
-    and added per adapter only if every one of them, and every accumulated sum, is finite.
-    An adapter with several batches in the call whose sum is not finite has them tried one
-    by one, so that only the bad ones are dropped. Returns `bad` with those batches marked.
-    """
-    bad = list(bad)
-    of_adapter: dict[str, list[int]] = {}
-    for i, batch in enumerate(batches):
-        if not bad[i]:
-            of_adapter.setdefault(batch.adapter_id, []).append(i)
-    live = [i for ids in of_adapter.values() for i in ids]
-    if not live:
-        return bad
-    objective = losses[live[0]]
-    for i in live[1:]:
-        objective = objective + losses[i]
-    if not objective.requires_grad:
-        return bad
-    adapters = [bank.live(aid) for aid in of_adapter]
-    params = [p for adapter in adapters for p in adapter.parameters()]
-    several = any(len(ids) > 1 for ids in of_adapter.values())  # may need a second look
-    grads = torch.autograd.grad(objective, params, allow_unused=True, retain_graph=several)
-    start = 0
-    for adapter, ids in zip(adapters, of_adapter.values(), strict=True):
-        n = len(adapter.layers) * 2  # its A and B, in parameters() order
-        together, start = grads[start : start + n], start + n
-        add_or_blame(
-            adapter,
-            together,
-            ids,
-            lambda i, a=adapter: torch.autograd.grad(
-                losses[i], a.parameters(), allow_unused=True, retain_graph=True
-            ),
-            bad,
-        )
-    return bad
 
 
 def add_or_blame(

@@ -5,8 +5,9 @@ Saves go through the CheckpointWriter; the sampler weights in memory (snapshots 
 models, checkpoints loaded for sampling, the "live refs") and state snapshots are kept by
 its base, LiveWeights (treadle.worker.live_weights).
 
-Sample ops join the engine's DecodeBatch (`admit_samples`) and finish a few decode steps at
-a time (`decode`), while other ops run between the steps. The weights a sample op arrived
+Sample ops join the engine's DecodeBatch (`admit_samples`; a worker group's rank 0 has a
+GroupDecodeBatch, whose calls every rank runs: treadle.engine.dist_decode) and finish a few
+decode steps at a time (`decode`), while other ops run between the steps. The weights a sample op arrived
 with stay its weights until it ends (LiveWeights.hold: the engine loop holds them as the op
 arrives; a pin or ref is freed only once no op holds it and no decode row is routed to it).
 Engines without an incremental sampler (no `decode_batch`) run sample ops to the end in

@@ -160,7 +160,26 @@ def decode(engine: Any) -> dict[str, Any]:
     for h, j, pos, tok, lp in heard:
         out["streamed"].setdefault((handles.index(h), j), []).append((pos, tok, lp))
     out["keys_after"] = batch.adapter_keys()
+    out["dropped"] = cancelled(batch)
     return out
+
+
+def cancelled(batch: Any) -> tuple[dict[int, int], list[int], int]:
+    """Two requests, two decode steps, then one dropped (a cancel): → tokens it had sampled,
+    the other's tokens to its end, and the requests left."""
+    keep, gone = batch.add(
+        [
+            SampleRequest([3, 1, 4], 1, SampleSpec(max_tokens=6, seed=400, stop_at_eos=False)),
+            SampleRequest([1, 5], 2, SampleSpec(max_tokens=30, temperature=1.0, seed=401), "s1"),
+        ]
+    )
+    done = dict(batch.step(max_steps=2))
+    sampled = batch.drop({gone})
+    left = len(batch)
+    while len(batch):
+        done.update(batch.step())
+    assert gone not in done
+    return {0: sampled[gone]}, done[keep].sequences[0].tokens, left
 
 
 def grads(bank: Any, adapter_id: str) -> list[torch.Tensor]:

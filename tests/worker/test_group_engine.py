@@ -138,6 +138,9 @@ def _same_decoding(ref: dict, got: dict) -> None:
         assert [pos for pos, _, _ in heard] == list(range(len(tokens)))
         assert [tok for _, tok, _ in heard] == tokens
         assert [lp for _, _, lp in heard] == pytest.approx(lps, abs=1e-6)
+    # a request dropped (cancelled) between two steps: counted, gone, the other unchanged
+    assert got["dropped"] == ref["dropped"]
+    assert ref["dropped"][0] == {0: 4} and ref["dropped"][2] == 1  # 2 samples x 2 steps
 
 
 def scenario_base(model_dir: Path):

@@ -2,7 +2,7 @@
 
 Rank 0's `DistributedEngine.decode_batch()` is a `GroupDecodeBatch`, what the worker's
 executor keeps between rounds as it keeps one process's DecodeBatch (treadle.engine.sample):
-the same calls (`add`, `step`, `has_results`, `adapter_keys`, `rows`, `len`), which rank 0
+the same calls (`add`, `step`, `drop`, `has_results`, `adapter_keys`, `rows`, `len`), which rank 0
 tells the other ranks (treadle.engine.distributed), so that every rank runs each of them:
 
 - add: every rank checks every request (they refuse alike); rank 0 places each request
@@ -92,6 +92,16 @@ class RankShare:
         if admission is not None:
             local = self.batch.commit(admission)
             self.group_handle.update(zip(local, [handles[i] for i in mine], strict=True))
+
+    def drop(self, handles: set[int]) -> dict[int, int] | None:
+        """Every rank: stop decoding these requests (the group's handles) where they are;
+        → rank 0: tokens each had sampled, gathered from the rank it was on."""
+        local = {h for h, g in self.group_handle.items() if g in handles}
+        sampled = {self.group_handle.pop(h): n for h, n in self.batch.drop(local).items()}
+        gathered = self.comm.gather(sampled)
+        if gathered is None:
+            return None
+        return {h: n for part in gathered for h, n in part.items()}
 
     def run_steps(self, decide: Callable[[list[Report]], int] | None = None) -> None:
         """Group steps until rank 0 says stop (`decide`, rank 0's: what the gathered reports
@@ -239,6 +249,20 @@ class GroupDecodeBatch:
         for h, _ in out:
             del self._open[h]
         return out
+
+    def drop(self, handles: set[int]) -> dict[int, int]:
+        """As DecodeBatch.drop, over the group: these requests leave the batch (between two
+        group steps) on whichever rank each is; → tokens each had sampled."""
+        handles = handles & self._open.keys()
+        if not handles:
+            return {}
+        with self._engine._lock:
+            self._engine._tell("decode_drop", (handles,))
+            sampled = self._engine._collective(self._share.drop, handles)
+        for h in handles:
+            del self._open[h]
+        self._ready = [(h, r) for h, r in self._ready if h not in handles]
+        return sampled or {}
 
     def _usable(self) -> None:
         if self._failed:

@@ -255,6 +255,7 @@ class DistributedEngine:
             "decode_new": self._decode_new,
             "decode_add": self._decode_add,
             "decode_step": self._decode_step,
+            "decode_drop": self._decode_drop,
         }
         while True:
             name, args = self._receive()
@@ -336,6 +337,9 @@ class DistributedEngine:
 
     def _decode_step(self, *args: Any) -> None:
         self._decode("run_steps", *args)
+
+    def _decode_drop(self, *args: Any) -> None:
+        self._decode("drop", *args)
 
     def _decode(self, name: str, *args: Any) -> None:
         share = self._share

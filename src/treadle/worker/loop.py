@@ -43,17 +43,16 @@ from typing import Any
 
 from treadle.errors import (
     EngineDeadError,
-    ErrorInfo,
     InvalidRequestError,
     NotFoundError,
-    RequestCancelledError,
 )
 from treadle.protocol.facts import EngineFacts, SnapshotPolicy, StateSnapshot
 from treadle.protocol.faults import EngineFault, restore_id
 from treadle.protocol.messages import WorkerStats
-from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress, Skip
+from treadle.protocol.ops import STATE_KINDS, Op, OpKind, Outcome, Progress
 from treadle.worker.call_spans import trace_call
 from treadle.worker.calls import Call, run_call
+from treadle.worker.controls import control_calls
 from treadle.worker.executor import OpExecutor
 from treadle.worker.idle_writes import Deferred, DeferredWrites, run_deferred
 from treadle.worker.scheduler import (
@@ -114,17 +113,18 @@ class EngineLoop:
         self.max_merge_tokens = max_merge_tokens
         self.queues: dict[str, ModelQueue] = {}
         self.samples: list[Op] = []
-        self._arrived: list[Op] = []  # sample ops whose weights the next round holds
+        self.arrived: list[Op] = []  # sample ops whose weights the next round holds
         snapshots_on = on_snapshot is not None and executor.state_root is not None
         self.writes = DeferredWrites(snapshots or SnapshotPolicy(), snapshots_on)
         self._calls: deque[Call] = deque()
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()
         self._stopping = False
         # what the heartbeat reports (treadle.protocol.messages.WorkerStats): engine thread
         # writes, the channel thread reads a copy (`stats()`); counters only grow
         self._stats = WorkerStats()
         self._in_call = 0  # ops of the engine call running now
         self._dead: EngineDeadError | None = None
+        self._controls = control_calls(self)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
 
     @property
@@ -136,27 +136,27 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
+        with self.cond:
             self._stopping = True
-            self._cond.notify_all()
+            self.cond.notify_all()
         self._thread.join(timeout_s)
 
     def add_model(self, model_id: str, next_seq: int = 0) -> None:
         """Open a model's queue (a create op opens its own; a restore opens it at next_seq)."""
-        with self._cond:
+        with self.cond:
             self.queues.setdefault(model_id, ModelQueue(next_seq=next_seq))
 
     def submit(self, op: Op) -> None:
         """Queue an op; its Outcome reaches on_outcomes (never raises)."""
         refused: Outcome | None = None
-        with self._cond:
+        with self.cond:
             if op.seq_id == 0 and op.kind in _OPENS:  # a new model's queue opens
                 self.queues.setdefault(op.model_id, ModelQueue())
             if self._dead is not None:
                 refused = Outcome.failed(op.request_id, self._dead)
             elif op.kind == OpKind.SAMPLE:
                 self.samples.append(op)
-                self._arrived.append(op)
+                self.arrived.append(op)
             elif (queue := self.queues.get(op.model_id)) is not None:
                 if (why := enqueue(queue, op, self.park)) is not None:  # order and bounds
                     refused = Outcome.failed(op.request_id, why)
@@ -164,24 +164,14 @@ class EngineLoop:
                 refused = Outcome.failed(
                     op.request_id, NotFoundError(f"model {op.model_id!r} was unloaded")
                 )
-            self._cond.notify()
+            self.cond.notify()
         if refused is not None:
-            self._finish([refused])
+            self.finish([refused])
 
     # ---- control calls: run on the engine thread before the next round ----
     def control(self, name: str, **args: Any) -> concurrent.futures.Future:
         """Run the named control call on the engine thread (what a worker's CALL names)."""
-        calls: dict[str, Callable[..., Any]] = {
-            "load_sampler": self.executor.load_sampler,
-            "drop_ref": self.executor.drop_ref,
-            "check_adapter": self.executor.check_adapter,
-            "unload_model": self._unload,
-            "restore_model": self._restore,
-            "snapshot_all": self._snapshot_all,
-            "reset": self._reset,
-            "cancel": self._cancel,
-        }
-        fn = calls.get(name)
+        fn = self._controls.get(name)
         if fn is None:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.set_exception(InvalidRequestError(f"unknown control call {name!r}"))
@@ -195,85 +185,19 @@ class EngineLoop:
         """Run `fn` on the engine thread before the next round (`running`: what the flight
         recorder names meanwhile)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
+        with self.cond:
             if self._dead is not None:
                 fut.set_exception(self._dead)
                 return fut
             self._calls.append(Call(fn, fut, running or []))
-            self._cond.notify()
+            self.cond.notify()
         return fut
-
-    def _restore(
-        self, model_id: str, state_dir: str | None, samplers: dict[str, str], next_seq: int
-    ) -> None:
-        self.executor.restore_model(model_id, state_dir, samplers)
-        with self._cond:
-            self.queues[model_id] = ModelQueue(next_seq=next_seq)
 
     def busy(self) -> bool:
         """Whether anything is queued or deferred (a draining worker waits for False)."""
-        with self._cond:
+        with self.cond:
             busy = self.samples or self.writes or self._calls or self.executor.sampling
             return bool(busy) or any(q.pending for q in self.queues.values())
-
-    def _reset(self) -> None:
-        """Forget every model and sampler (a new API took over: it restores what it knows)."""
-        with self._cond:
-            models = list(self.queues)
-            waiting = self.samples
-            self.queues, self.samples, self._arrived = {}, [], []
-            self.writes.clear()
-        self.executor.release(waiting)
-        self.executor.abort_samples()
-        for model_id in models:
-            self.executor.drop_model(model_id)
-        self.executor.drop_all_refs()
-
-    def _cancel(self, request_ids: list[str]) -> list[str]:
-        """Engine thread, between rounds: stop these ops (→ the ids stopped). A queued sample
-        op leaves the queue; a generating one leaves the decode batch between two decode
-        steps, metered for what it sampled; a queued training op becomes a skip in its
-        seq_id's place, so the model's later ops run on. An op running in an engine call
-        now, or finished, is not stopped."""
-        ids = set(request_ids)
-        error = RequestCancelledError("cancelled (cancel_future) before it finished")
-        skip = Skip(ErrorInfo.of(error))
-        with self._cond:
-            dropped = [op for op in self.samples if op.request_id in ids]
-            self.samples = [op for op in self.samples if op.request_id not in ids]
-            self._arrived = [op for op in self._arrived if op.request_id not in ids]
-            skipped = []
-            for queue in self.queues.values():
-                for seq, op in list(queue.pending.items()):
-                    if op.request_id in ids and op.kind != OpKind.SKIP and not op.replay:
-                        queue.pending[seq] = Op(op.request_id, OpKind.SKIP, skip, op.model_id, seq)
-                        skipped.append(op.request_id)
-        self.executor.release(dropped)  # the weights they held since they arrived
-        outcomes = [Outcome.failed(op.request_id, error) for op in dropped]
-        outcomes += self.executor.cancel_samples(ids, error)
-        self._finish(outcomes)
-        return [o.request_id for o in outcomes] + skipped
-
-    def _snapshot_all(self) -> None:
-        """Every changed model's state now (at shutdown), after the writes already deferred."""
-        for job in self.writes.take():
-            self._finish([run_deferred(job)])
-        for model_id in self.writes.changed():
-            self._snapshot(model_id)
-
-    def _unload(self, model_id: str, reason: str) -> None:
-        """Engine thread: fail the model's queued ops, finish its durable writes, free it."""
-        with self._cond:
-            queue = self.queues.pop(model_id, None)
-        # Durable writes of this model were acknowledged as accepted: finish them first (a
-        # state snapshot, op None, of a model being freed is dropped: nothing replays it).
-        for job in self.writes.take(model_id):
-            if job.op is not None:
-                self._finish([run_deferred(job)])
-        dropped = list(queue.pending.values()) if queue else []
-        self._finish([Outcome.failed(op.request_id, NotFoundError(reason)) for op in dropped])
-        self.writes.snapshotted(model_id)
-        self.executor.drop_model(model_id)
 
     # ---- the engine thread ----
     def _run(self) -> None:
@@ -288,22 +212,22 @@ class EngineLoop:
 
     def _rounds(self) -> None:
         while True:
-            with self._cond:
+            with self.cond:
                 while not self._stopping and not self._has_work_locked():
-                    if not self._cond.wait(self._parked_wait_s()):
+                    if not self.cond.wait(self._parked_wait_s()):
                         break  # a parked op's deadline
                 if self._stopping:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
-                arrived, self._arrived = self._arrived, []
+                arrived, self.arrived = self.arrived, []
                 now = time.monotonic()
                 expired = [
                     o
                     for m, q in self.queues.items()
                     for o in expire_parked(m, q, now, self.park.timeout_s)
                 ]
-            self._finish(expired)
+            self.finish(expired)
             # Control calls (drop a session's adapters, load a sampler) go before planning,
             # so that a round never runs an op of a model a call just removed.
             for call in calls:
@@ -312,7 +236,7 @@ class EngineLoop:
             # before it joins the decode batch (an optim_step filed after it, a full batch).
             if arrived:
                 self.executor.hold(arrived)
-            with self._cond:
+            with self.cond:
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
                 for step in steps:
@@ -341,7 +265,7 @@ class EngineLoop:
             stats.decode_rows += self.executor.sampling
             if time.monotonic() > deadline:
                 return True
-            with self._cond:
+            with self.cond:
                 if self._stopping or self._calls:
                     return True
                 return yield_decode(self.queues, self._runnable_samples_locked(), self._room())
@@ -355,7 +279,7 @@ class EngineLoop:
             op = next((d for d in decoding if d.request_id == o.request_id), None)
             if op is not None and op.trace and o.started_at and o.finished_at:
                 trace_call("decode", [op], o.started_at, o.finished_at)
-        self._finish(outcomes)
+        self.finish(outcomes)
 
     def _running(self, ops: list[Op]) -> None:
         self._in_call = len(ops)
@@ -388,17 +312,17 @@ class EngineLoop:
         dead = EngineDeadError(
             f"the engine of model {self.name!r} stopped: {type(error).__name__}: {error}"
         )
-        with self._cond:
+        with self.cond:
             self._dead = dead
             ops = [*self.samples, *(op for q in self.queues.values() for op in q.pending.values())]
             ops += [job.op for job in self.writes.take() if job.op is not None]
             ops += self.executor.abort_samples()
             calls = list(self._calls)
-            self.samples, self.queues, self._calls, self._arrived = [], {}, deque(), []
+            self.samples, self.queues, self._calls, self.arrived = [], {}, deque(), []
             self.writes.clear()
         for call in calls:
             call.fut.set_exception(dead)
-        self._finish([Outcome.failed(op.request_id, dead) for op in ops])
+        self.finish([Outcome.failed(op.request_id, dead) for op in ops])
 
     def _parked_wait_s(self) -> float | None:
         """Until the first deadline of an op parked behind a gap (None: no such op)."""
@@ -432,7 +356,7 @@ class EngineLoop:
         if any(op.trace for op in step.ops):  # tracing is on (treadle.protocol.tracing)
             ends = {o.request_id: o.finished_at for o in ready}
             trace_call(step.kind, step.ops, started, time.time(), ends)
-        with self._cond:
+        with self.cond:
             for op in step.ops:
                 if op.kind != OpKind.SAMPLE and op.model_id in self.queues:
                     queue = self.queues[op.model_id]
@@ -440,13 +364,13 @@ class EngineLoop:
                     queue.next_seq = op.seq_id + 1
         for op in step.ops:
             if op.kind in STATE_KINDS:
-                self.writes.note_change(op, self._snapshot)
-        self._finish(ready)
+                self.writes.note_change(op, self.snapshot)
+        self.finish(ready)
 
     # ---- state snapshots ----
-    def _snapshot(self, model_id: str) -> None:
+    def snapshot(self, model_id: str) -> None:
         """Engine thread: write the model's state as it is now, with the seq_id it covers."""
-        with self._cond:
+        with self.cond:
             queue = self.queues.get(model_id)
             seq_id = queue.next_seq - 1 if queue is not None else -1
         if seq_id < 0:
@@ -459,9 +383,9 @@ class EngineLoop:
 
     def _maybe_run_deferred(self, idle: bool) -> None:
         for job in self.writes.due(idle):
-            self._finish([run_deferred(job)])
+            self.finish([run_deferred(job)])
 
-    def _finish(self, outcomes: list[Outcome | None]) -> None:
+    def finish(self, outcomes: list[Outcome | None]) -> None:
         outcomes = [o for o in outcomes if o is not None]
         if outcomes:
             try:

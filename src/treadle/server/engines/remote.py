@@ -10,14 +10,9 @@ sampler weights the worker says it holds. When its worker goes silent (no heartb
 `dead_after_s`) or ends, the engine is down: ops wait in the outbox, and when a worker of
 the model is back, `on_ready` restores the models (treadle.server.core.recovery), then the
 unfinished ops are sent again, in their order. A future never hangs: if no worker returns
-within `give_up_after_s`, the engine's unfinished ops fail with EngineDeadError. A worker
-whose engine faulted (treadle.protocol.faults) says which ops were running before it ends:
-they run alone on the next worker, and one that was running at MAX_FAULTS faults fails with
-DeviceFaultError instead of running again. A replay (an op that ran before, re-run to
-restore its model) cannot be refused that way: its model is then `unrestorable`, and
-recovery gives that one model up instead of the worker restarting forever; so is a model
-whose state crashes its worker, MAX_FAULTS times, while it is loaded to restore the model
-(the worker names that restore as running: `restore_id`).
+within `give_up_after_s`, the engine's unfinished ops fail with EngineDeadError. The faults
+counted against ops, and the models they make unrestorable, are kept in its FaultLedger
+(treadle.server.engines.fault_ledger).
 
 A replica given up (its model cannot load: treadle.server.engines.restarts) fails its ops,
 now and later, with EngineDeadError naming why, until a worker says HELLO again.
@@ -34,13 +29,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from treadle.errors import DeviceFaultError, EngineDeadError, ErrorInfo
+from treadle.errors import DeviceFaultError, EngineDeadError
 from treadle.protocol import messages
 from treadle.protocol.facts import EngineFacts, ReplicaStatus, StateSnapshot
-from treadle.protocol.faults import MAX_FAULTS, restore_id, restored_model
 from treadle.protocol.messages import Kind
-from treadle.protocol.ops import Op, OpKind, Outcome, Progress, Skip
+from treadle.protocol.ops import Op, Outcome, Progress
 from treadle.server.engines.client import EngineClient, OnOutcomes, OnProgress, OnSnapshot
+from treadle.server.engines.fault_ledger import FaultLedger
 from treadle.server.observe import metrics
 
 if TYPE_CHECKING:
@@ -78,10 +73,7 @@ class WorkerEngine(EngineClient):
         self._live: set[str] = set()
         self._sent: dict[str, Op] = {}  # every op handed to this engine and not finished
         self._outbox: list[Op] = []  # ops waiting for a worker
-        # a replay is made anew at each restore: its faults are kept here, by request id
-        # (and those of a model's state load, by its restore_id)
-        self._replay_faults: dict[str, int] = {}
-        self._unrestorable: dict[str, str] = {}  # model → why its replays cannot run
+        self.faults = FaultLedger(name)  # faults counted against ops across workers
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self.worker: messages.Hello | None = None
@@ -105,7 +97,7 @@ class WorkerEngine(EngineClient):
                 self._outcomes_later([Outcome.failed(op.request_id, self._down_error())])
                 return
             if op.replay:
-                op.faults = self._replay_faults.get(op.request_id, op.faults)
+                self.faults.replay_sent(op)
             self._sent[op.request_id] = op
             if not self._ready and not op.replay:
                 self._outbox.append(op)
@@ -124,7 +116,7 @@ class WorkerEngine(EngineClient):
         value = await asyncio.wrap_future(self._call_nowait(name, **args))
         if name == "restore_model":
             with self._lock:  # its state loads well
-                self._replay_faults.pop(restore_id(args["model_id"]), None)
+                self.faults.state_loaded(args["model_id"])
         return value
 
     def status(self) -> list[ReplicaStatus]:
@@ -155,7 +147,7 @@ class WorkerEngine(EngineClient):
         """Why a model must not be restored here (replaying its op log kept faulting the
         engine: treadle.protocol.faults), or None."""
         with self._lock:
-            return self._unrestorable.get(model_id)
+            return self.faults.unrestorable.get(model_id)
 
     def state(self) -> str:
         """serving, restoring (a worker is here, its models coming back) or down."""
@@ -329,15 +321,17 @@ class WorkerEngine(EngineClient):
             self._ready, self._down_since = True, None
             identity = self._identity
             # the ops of a model the restore gave up fail here, with the reason
-            lost = [op for op in self._sent.values() if op.model_id in self._unrestorable]
+            lost = [op for op in self._sent.values() if op.model_id in self.faults.unrestorable]
             for op in lost:
                 del self._sent[op.request_id]
             failed = [
-                Outcome.failed(op.request_id, DeviceFaultError(self._unrestorable[op.model_id]))
+                Outcome.failed(
+                    op.request_id, DeviceFaultError(self.faults.unrestorable[op.model_id])
+                )
                 for op in lost
                 if not op.replay
             ]
-            outbox = [op for op in self._outbox if op.model_id not in self._unrestorable]
+            outbox = [op for op in self._outbox if op.model_id not in self.faults.unrestorable]
             self._outbox = []
             waiting = {op.request_id for op in outbox}
             resend = [
@@ -361,71 +355,21 @@ class WorkerEngine(EngineClient):
                 if op is None:
                     continue  # failed already (the engine was down too long)
                 if op.replay:
-                    self._replay_faults.pop(o.request_id, None)
+                    self.faults.replay_ran(o.request_id)
                 else:
                     heard.append(o)
         if heard:
             self._on_outcomes(heard)
 
     def blame(self, request_ids: list[str], error: str) -> None:
-        """The worker's engine faulted (or the worker crashed) with these ops running: each
-        runs alone next time; one at its MAX_FAULTS-th fault is refused instead (in its
-        seq_id's place, so that its model's later ops go on). A replay at its MAX_FAULTS-th
-        makes its model unrestorable: the other models' restore goes on without it; so does
-        a model's state load (its restore_id) at its MAX_FAULTS-th."""
-        given_up = []
+        """The worker's engine faulted (or the worker crashed) with these ops running
+        (treadle.server.engines.fault_ledger)."""
         with self._lock:
-            for rid in request_ids:
-                if (model_id := restored_model(rid)) is not None:
-                    self._restore_failed(rid, model_id, error)
-                    continue
-                op = self._sent.get(rid)
-                if op is None:
-                    continue
-                op.faults += 1
-                why = (
-                    f"was running each time the engine of {self.name!r} failed, {op.faults} "
-                    "times, each in a new worker process"
-                )
-                last = f"the last failure: {error}"
-                if op.replay:  # its outcome was recorded: the model is restored with it or not
-                    self._replay_faults[rid] = op.faults
-                    if op.faults >= MAX_FAULTS and op.model_id not in self._unrestorable:
-                        self._unrestorable[op.model_id] = (
-                            f"model {op.model_id!r} could not be restored after a restart: "
-                            f"request {rid} ({op.kind}, seq_id {op.seq_id}), which ran before "
-                            f"and is run again to restore its state, {why}; {last}; create a "
-                            "training client from its last checkpoint"
-                        )
-                        log.error("%s", self._unrestorable[op.model_id])
-                    continue
-                if op.faults < MAX_FAULTS:
-                    continue
-                refusal = DeviceFaultError(f"this request {why}, so it is not run again; {last}")
-                log.error("request %s (%s): %s", rid, op.kind, refusal)
-                if op.kind == OpKind.SAMPLE:
-                    del self._sent[rid]
-                    given_up.append(Outcome.failed(rid, refusal))
-                    continue
-                info = ErrorInfo.of(refusal)
-                skip = Op(rid, OpKind.SKIP, Skip(info), op.model_id, op.seq_id)
-                skip.enqueued_at = op.enqueued_at
-                self._sent[rid] = skip
-                self._outbox = [skip if o.request_id == rid else o for o in self._outbox]
+            given_up, skips = self.faults.blame(self._sent, request_ids, error)
+            if skips:
+                self._outbox = [skips.get(o.request_id, o) for o in self._outbox]
         if given_up:
             self._outcomes_later(given_up)
-
-    def _restore_failed(self, rid: str, model_id: str, error: str) -> None:
-        """Under the lock: the worker failed while loading the model's state to restore it."""
-        faults = self._replay_faults[rid] = self._replay_faults.get(rid, 0) + 1
-        if faults >= MAX_FAULTS and model_id not in self._unrestorable:
-            self._unrestorable[model_id] = (
-                f"model {model_id!r} could not be restored after a restart: the engine of "
-                f"{self.name!r} failed each time while loading its state to restore it, "
-                f"{faults} times, each in a new worker process; the last failure: {error}; "
-                "create a training client from its last checkpoint"
-            )
-            log.error("%s", self._unrestorable[model_id])
 
     def _got_progress(self, items: list[Progress]) -> None:
         """Tokens of streamed ops still in flight (none of replays, nor of ops given up)."""

@@ -75,14 +75,17 @@ def grammar_of(c: Constraint, field: str) -> str:
         if c.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(c.source)
         return llg.grammar_from("grammar", c.source)  # Lark, or GBNF converted to Lark
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - whatever hostile input makes it raise is a 400
         raise InvalidRequestError(f"{field}: invalid {c.kind}: {e}") from e
 
 
 def check_constraint(c: Constraint, field: str) -> None:
     """Raise InvalidRequestError naming `field` unless the constraint compiles within LIMITS."""
     grammar = grammar_of(c, field)
-    error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits())
+    try:
+        error = _llg().LLMatcher.validate_grammar(grammar, None, limits=limits())
+    except Exception as e:  # noqa: BLE001 - as above
+        error = str(e) or type(e).__name__
     if error:
         raise InvalidRequestError(f"{field}: invalid {c.kind}: {error.strip()}")
 

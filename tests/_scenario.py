@@ -20,6 +20,7 @@ import torch
 
 from treadle.engine.types import (
     AdamSpec,
+    Constraint,
     LoraSpec,
     SampleRequest,
     SampleSpec,
@@ -119,7 +120,12 @@ def decode_requests() -> tuple[list[SampleRequest], list[SampleRequest]]:
         SampleRequest([42, 7], 2, SampleSpec(max_tokens=12, temperature=1.0, seed=300), "s0"),
         SampleRequest([5, 5, 5, 5], 1, SampleSpec(max_tokens=7, seed=301), None),
         SampleRequest([9, 1], 1, SampleSpec(max_tokens=9, temperature=0.7, seed=302), "s2"),
-    ]
+        # sampling controls: the same per-row path on whichever rank the request lands
+        SampleRequest([3, 9, 1], 2, SampleSpec(
+            max_tokens=10, seed=303, repetition_penalty=1.3, logit_bias={3: 2.0}, min_p=0.05,
+            constraint=Constraint("regex", "[a-z]{2,8}"),
+        ), "s1"),
+    ]  # fmt: skip
     return first, joining
 
 

@@ -224,7 +224,15 @@ class LoraConfig(_Wire):
 
 
 class SamplingParams(_Wire):
-    """`stop` takes strings or token ids; the stop is kept in the output; `stop=[]` ignores EOS."""
+    """`stop` takes strings or token ids; the stop is kept in the output; `stop=[]` ignores EOS.
+
+    The fields after top_p are Treadle extensions (docs/sampling.md), None where unused so
+    that a request without them is the Tinker one: min_p, logit_bias (token id → bias in
+    [-100, 100]), OpenAI's presence / frequency penalties, HF's repetition_penalty, and at
+    most one constraint on the text: a JSON schema (a dict, or its JSON text), a regular
+    expression, or a Lark / GBNF grammar. A sequence sampled with any of them (or with
+    temperature, top_k or top_p) also reports `sampling_logprobs`.
+    """
 
     max_tokens: int | None = None
     seed: int | None = None
@@ -232,6 +240,14 @@ class SamplingParams(_Wire):
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    json_schema: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -254,6 +270,10 @@ class SampledSequence(_Wire):
     sequence_id: str | None = None
     # per sampled token: its top-K (token_id, logprob), with topk_sample_logprobs=K
     topk_logprobs: list[list[tuple[int, float]]] | None = None
+    # per sampled token, its logprob under the distribution it was drawn from (after
+    # temperature, filters and controls; 0 for greedy), where that is not the raw policy's
+    # (`logprobs`); a Treadle extension
+    sampling_logprobs: list[float] | None = None
 
 
 class SampleResponse(_Wire):

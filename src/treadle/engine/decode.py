@@ -8,8 +8,10 @@ far), so rows that joined later (continuous batching, `join`) sit beside rows th
 hundreds of tokens in. One decode step:
 
 1. `pick`: one token per row from its raw logits (sample_utils.pick_tokens, with the row's
-   own pre-drawn uniform for its own step), written into the row's output buffers; rows that
-   hit a stop token, a stop string or max_tokens are done;
+   own pre-drawn uniform for its own step), after the row's own controls where it has any
+   (treadle.engine.sample_controls: constraint, logit_bias, penalties), written into the
+   row's output buffers; rows that hit a stop token, a stop string or max_tokens, or whose
+   constraint is complete, are done;
 2. `select` (from time to time): done rows leave the batch, and the columns of the cache that
    are padding for every remaining row are cut off, so a long-lived batch does not grow;
 3. `forward`: the model takes the picked token of every row and gives the logits of the
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from treadle.engine.sample_controls import RowControls, controlled_logits
 from treadle.engine.sample_utils import (
     StopStringMatcher,
     growing,
@@ -59,6 +62,7 @@ class Cohort:
     keys: list[str | None]  # adapter key per row, what engine.bank.rows receives
     topk: list[int]  # top-K logprobs each row's request asks for (0: none)
     matchers: list[StopStringMatcher | None]  # rows with stop strings
+    controls: list[RowControls | None]  # rows with logit controls (constraint, bias, penalties)
     cache: Any  # the HF cache; None when every row ends at its first token
     length: int  # filled positions of the cache
     mask: torch.Tensor  # (n, C) int64 attention mask over the cache's capacity, ones from length
@@ -68,6 +72,8 @@ class Cohort:
     greedy: torch.Tensor  # (n,) bool
     top_k: torch.Tensor  # (n,) int64, V where off
     top_p: torch.Tensor  # (n,) fp32
+    min_p: torch.Tensor  # (n,) fp32, 0 where off
+    shaped: torch.Tensor  # (n,) bool: drawn from another distribution than the raw one
     max_tokens: torch.Tensor  # (n,) int64
     stop_ids: torch.Tensor  # (n, S) int64, -1 pads
     uniforms: torch.Tensor  # (n, W) fp32, the random draw of each step
@@ -77,6 +83,7 @@ class Cohort:
     stopped: torch.Tensor  # (n,) bool: ended by a stop token or string (else by max_tokens)
     tokens: torch.Tensor  # (n, W) int64
     logprobs: torch.Tensor  # (n, W) fp32
+    sampling_lp: torch.Tensor  # (n, W) fp32, under the distribution each token was drawn from
     top_ids: torch.Tensor  # (n, W, K) int64, K = max(topk)
     top_lp: torch.Tensor  # (n, W, K) fp32
     n_done: int = 0  # done rows still in the batch
@@ -97,8 +104,11 @@ class Cohort:
         self.all_greedy = bool(self.greedy.all())
         self.any_filter = bool(((self.top_k < V) | (self.top_p < 1)).any())
         self.any_stream = bool(self.stream.any())
+        self.any_min_p = bool((self.min_p > 0).any())
+        self.any_shaped = bool(self.shaped.any())
         self.K = self.top_ids.shape[-1]
         self._matcher_pos = [b for b, m in enumerate(self.matchers) if m is not None]
+        self._control_pos = [b for b, c in enumerate(self.controls) if c is not None]
 
     # ---- one decode step ----
     def pick(self) -> tuple[torch.Tensor, list[int], list[tuple[int, int, int, int, float]]]:
@@ -108,12 +118,22 @@ class Cohort:
         live = ~self.done  # (n,)
         at = torch.where(self.done, W - 1, self.step)  # (n,) done rows write the spare column
         u = self.uniforms.gather(1, at[:, None]).squeeze(1)  # (n,)
-        tok, lp = pick_tokens(
+        controlled, ctl_rows = None, []
+        if self._control_pos:  # the live rows with controls (one host sync)
+            alive = live[self._control_pos].tolist()
+            ctl_rows = [b for b, a in zip(self._control_pos, alive, strict=True) if a]
+        if ctl_rows:
+            ctl = [self.controls[b] for b in ctl_rows]
+            controlled = controlled_logits(self.logits, ctl_rows, ctl)  # type: ignore[arg-type]
+        tok, lp, slp = pick_tokens(
             self.logits, self.greedy, self.temperature, self.top_k, self.top_p, u,
-            all_greedy=self.all_greedy, any_filter=self.any_filter,
+            all_greedy=self.all_greedy, any_filter=self.any_filter, controlled=controlled,
+            min_p=self.min_p if self.any_min_p else None, sampling_logprobs=self.any_shaped,
         )  # fmt: skip
         self.tokens.scatter_(1, at[:, None], tok[:, None])
         self.logprobs.scatter_(1, at[:, None], lp[:, None])
+        if slp is not None:
+            self.sampling_lp.scatter_(1, at[:, None], slp[:, None])
         if self.K:  # of the raw distribution, like the sampled logprobs
             vals, ids = self.logits.float().log_softmax(-1).topk(self.K, dim=-1)  # (n, K)
             rows = torch.arange(len(self), device=at.device)
@@ -122,6 +142,8 @@ class Cohort:
         hit = (tok[:, None] == self.stop_ids).any(-1)  # (n,)
         if self._matcher_pos:
             hit |= self._stop_string_hits(tok, live)
+        if ctl_rows:
+            hit |= self._constraint_hits(tok, ctl_rows)
         self.step += live
         new = live & (hit | (self.step >= self.max_tokens))  # (n,)
         streamed = self._streamed(live, at, tok, lp) if self.any_stream else []
@@ -152,6 +174,15 @@ class Cohort:
                 hits[b] = True
         return hits.to(tok.device)
 
+    def _constraint_hits(self, tok: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(n,) bool: the rows (of `rows`, live ones with controls) whose constraint is
+        complete with this token; every one of them notes its token."""
+        hits = torch.zeros(len(self), dtype=torch.bool)
+        for b, t in zip(rows, tok[rows].tolist(), strict=True):
+            if self.controls[b].accept(t):  # type: ignore[union-attr]
+                hits[b] = True
+        return hits.to(tok.device)
+
     def compact_due(self) -> bool:
         return self.n_done >= max(1, int(COMPACT_FRACTION * len(self)))
 
@@ -159,7 +190,7 @@ class Cohort:
         """Keep batch rows `keep` (a (n',) index tensor), and cut off the leading cache
         columns that are padding for every kept row."""
         kept = keep.tolist()
-        for name in ("owner", "keys", "topk", "matchers"):
+        for name in ("owner", "keys", "topk", "matchers", "controls"):
             setattr(self, name, [getattr(self, name)[i] for i in kept])
         for f in fields(self):
             value = getattr(self, f.name)
@@ -194,12 +225,16 @@ class Cohort:
         n_l = self.step[idx].tolist()
         stop_l = self.stopped[idx].tolist()
         tok_l, lp_l = self.tokens[idx].tolist(), self.logprobs[idx].tolist()
+        shaped_l = self.shaped[idx].tolist()
+        slp_l = self.sampling_lp[idx].tolist() if any(shaped_l) else None
         want_top = any(self.topk[b] for b in rows)
         top_l = (self.top_ids[idx].tolist(), self.top_lp[idx].tolist()) if want_top else None
         out = []
         for i, b in enumerate(rows):
             n = n_l[i]
             seq = SampledSeq(tok_l[i][:n], lp_l[i][:n], "stop" if stop_l[i] else "length")
+            if shaped_l[i] and slp_l is not None:
+                seq.sampling_logprobs = slp_l[i][:n]
             k = self.topk[b]
             if k and top_l is not None:
                 seq.topk = [
@@ -241,7 +276,8 @@ def join(a: Cohort, b: Cohort) -> Cohort:
     W = max(a.tokens.shape[1], b.tokens.shape[1])
     K = max(a.top_ids.shape[-1], b.top_ids.shape[-1])
     S = max(a.stop_ids.shape[1], b.stop_ids.shape[1])
-    widths = {"uniforms": W, "tokens": W, "logprobs": W, "top_ids": W, "top_lp": W, "stop_ids": S}
+    widths = {"uniforms": W, "tokens": W, "logprobs": W, "sampling_lp": W, "top_ids": W}
+    widths |= {"top_lp": W, "stop_ids": S}
 
     def cat(name: str) -> torch.Tensor:
         x, y = getattr(a, name)[keep], getattr(b, name)
@@ -261,6 +297,7 @@ def join(a: Cohort, b: Cohort) -> Cohort:
         keys=[a.keys[i] for i in kept] + b.keys,
         topk=[a.topk[i] for i in kept] + b.topk,
         matchers=[a.matchers[i] for i in kept] + b.matchers,
+        controls=[a.controls[i] for i in kept] + b.controls,
         cache=cache,
         length=L,
         mask=mask,

@@ -2,8 +2,9 @@
 
 _cohort turns requests whose prefill is done into a treadle.engine.decode.Cohort: one row
 per sample, request-major, with every row's sampling settings, stop tokens and stop strings
-as tensors, and its uniforms pre-drawn from the request's own seed, so that a row's tokens
-never depend on what else shares its batch.
+as tensors, its logit controls (treadle.engine.sample_controls; a constraint compiled once
+per request), and its uniforms pre-drawn from the request's own seed, so that a row's
+tokens never depend on what else shares its batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from treadle.engine.decode import Cohort
+from treadle.engine.sample_controls import RowControls
 from treadle.engine.sample_utils import StopStringMatcher
 from treadle.engine.types import SampleRequest
 
@@ -34,8 +36,9 @@ def _cohort(
     eos = [int(t) for t in engine.eos_token_ids]
     M = max(r.params.max_tokens for r in requests)
     W = M + 1  # the spare last column is where finished rows write
-    owner, keys, topk, matchers = [], [], [], []
+    owner, keys, topk, matchers, controls = [], [], [], [], []
     plen, temp, greedy, top_k, top_p, maxtok, stops, unif, streamed = ([] for _ in range(9))
+    min_p, shaped = [], []
     for h, req, st in zip(handles, requests, stream, strict=True):
         sp = req.params
         # One generator per request, drawn on the CPU: sample j of a request with a given seed
@@ -45,6 +48,7 @@ def _cohort(
         u = torch.rand(req.num_samples, sp.max_tokens, generator=gen)  # (num_samples, m)
         u = torch.nn.functional.pad(u, (0, W - sp.max_tokens))  # (num_samples, W)
         stop_ids = list(dict.fromkeys(sp.stop_tokens + (eos if sp.stop_at_eos else [])))
+        ctl = RowControls.of(engine, sp, req.prompt, eos, device)
         for j in range(req.num_samples):
             owner.append((h, j))
             keys.append(req.adapter)
@@ -57,6 +61,9 @@ def _cohort(
             greedy.append(sp.temperature == 0)
             top_k.append(sp.top_k if sp.top_k > 0 else V)
             top_p.append(sp.top_p)
+            min_p.append(sp.min_p)
+            shaped.append(sp.shapes)
+            controls.append(None if ctl is None else ctl if j == 0 else ctl.copy())
             maxtok.append(sp.max_tokens)
             stops.append(stop_ids)
             unif.append(u[j])
@@ -77,6 +84,7 @@ def _cohort(
         keys=keys,
         topk=topk,
         matchers=matchers,
+        controls=controls,
         cache=cache,
         length=T,
         mask=mask.to(device),
@@ -86,6 +94,8 @@ def _cohort(
         greedy=t(greedy, torch.bool),
         top_k=t(top_k, torch.long),
         top_p=t(top_p, torch.float32),
+        min_p=t(min_p, torch.float32),
+        shaped=t(shaped, torch.bool),
         max_tokens=t(maxtok, torch.long),
         stop_ids=stop_t.to(device),
         uniforms=torch.stack(unif).to(device),
@@ -95,6 +105,7 @@ def _cohort(
         stopped=torch.zeros(N, dtype=torch.bool, device=device),
         tokens=torch.zeros(N, W, dtype=torch.long, device=device),
         logprobs=torch.zeros(N, W, dtype=torch.float32, device=device),
+        sampling_lp=torch.zeros(N, W, dtype=torch.float32, device=device),
         top_ids=torch.zeros(N, W, K, dtype=torch.long, device=device),
         top_lp=torch.zeros(N, W, K, dtype=torch.float32, device=device),
     )

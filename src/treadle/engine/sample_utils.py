@@ -33,29 +33,48 @@ def pick_tokens(
     uniforms: torch.Tensor,
     all_greedy: bool = False,
     any_filter: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose one token per row: (tokens (n,), their logprobs (n,)).
+    controlled: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    sampling_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Choose one token per row: (tokens (n,), their logprobs (n,), and, with
+    `sampling_logprobs`, their logprobs under the distribution they were drawn from (n,)).
 
-    logits (n, V) raw; greedy (n,) bool rows take the argmax; other rows sample from
-    softmax(logits / temperature) cut to the top_k tokens then to the smallest prefix with
-    probability >= top_p (renormalised after top-k, as HF and vLLM do), by inverse CDF with
-    their uniform (n,). The returned logprob is that of the raw distribution, see sample.py.
-    `all_greedy` / `any_filter` let the caller skip work no row needs.
+    logits (n, V) raw; `controlled` (n, V) the logits after each row's controls
+    (treadle.engine.sample_controls), None where no row has any. Greedy rows (n,) bool take
+    the argmax of those; other rows sample from softmax(logits / temperature) cut to the
+    tokens with probability >= min_p x the top one's (min_p (n,), None where no row sets
+    it), then to the top_k tokens, then to the smallest prefix with probability >= top_p
+    (renormalised after top-k, as HF and vLLM do), by inverse CDF with their uniform (n,).
+    The returned logprob is that of the raw distribution, see sample.py; the sampling one
+    is 0 for greedy rows (the argmax is certain). `all_greedy` / `any_filter` let the
+    caller skip work no row needs.
     """
     logits = logits.float()  # (n, V)
     logprobs = logits.log_softmax(-1)  # (n, V)
+    x = logits if controlled is None else controlled  # (n, V)
+    slp = None
     if all_greedy:
-        tok = logits.argmax(-1)  # (n,)
+        tok = x.argmax(-1)  # (n,)
+        if sampling_logprobs:
+            slp = torch.zeros(tok.shape, dtype=torch.float32, device=tok.device)
     else:
-        scaled = logits / temperature[:, None]  # (n, V)
+        scaled = x / temperature[:, None]  # (n, V)
+        if min_p is not None:
+            probs = scaled.softmax(-1)  # (n, V)
+            floor = min_p[:, None] * probs.amax(-1, keepdim=True)  # (n, 1); 0 keeps all
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
         if any_filter:
             scaled = scaled.masked_fill(~_filter_mask(scaled, top_k, top_p), float("-inf"))
         # Inverse CDF in vocabulary order for every row, filtered or not, so that a row's
         # token never depends on which settings its batch companions use.
         tok = _inverse_cdf(scaled.softmax(-1), uniforms)  # (n,)
-        tok = torch.where(greedy, logits.argmax(-1), tok)
+        tok = torch.where(greedy, x.argmax(-1), tok)
+        if sampling_logprobs:
+            slp = scaled.log_softmax(-1).gather(-1, tok[:, None]).squeeze(1)  # (n,)
+            slp = torch.where(greedy, torch.zeros_like(slp), slp)
     lp = logprobs.gather(-1, tok[:, None]).squeeze(1)  # (n,)
-    return tok, lp
+    return tok, lp, slp
 
 
 def _filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

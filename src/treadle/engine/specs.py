@@ -21,6 +21,11 @@ generous on purpose (a real loop stays orders of magnitude inside them):
 | adam weight_decay                       | 0 <= wd <= 10                     |
 | adam grad_clip_norm                     | finite, >= 0 (0: no clipping)     |
 | top-K target columns (distillation)     | K <= 1024                         |
+| sampling min_p                          | [0, 1]                            |
+| sampling logit_bias                     | <= 1024 token ids, each in [-100, 100] |
+| sampling presence / frequency penalty   | [-2, 2] (OpenAI's range)          |
+| sampling repetition_penalty             | (0, 10]                           |
+| sampling constraint                     | <= 64 KiB; compiles within llguidance's limits |
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from treadle.engine.types import AdamSpec, SampleRequest, TrainDatum
+from treadle.engine.constraints import check_constraint
+from treadle.engine.types import AdamSpec, SampleRequest, SampleSpec, TrainDatum
 from treadle.errors import InvalidRequestError
 
 MAX_ABS_LOSS_VALUE = 1e6
@@ -39,6 +45,10 @@ MAX_LEARNING_RATE = 10.0
 MAX_WEIGHT_DECAY = 10.0
 MAX_TOPK_COLUMNS = 1024
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_PRESENCE_PENALTY = 2.0  # presence and frequency: OpenAI's range
+MAX_REPETITION_PENALTY = 10.0
 
 
 # The inputs the server adds to a datum of a loss that needs provenance, from the sampled
@@ -353,6 +363,7 @@ def validate_sample_request(
             f"{where}sampling_params.stop (stop_strings) must be non-empty strings, "
             f"got {sp.stop_strings!r}"
         )
+    _validate_controls(sp, V, where + "sampling_params.")
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         k = getattr(req, name)
         if not 0 <= k <= min(V, MAX_TOPK_COLUMNS):
@@ -371,3 +382,38 @@ def validate_sample_request(
                 f"{where}target_prompt_logprobs holds token ids outside the vocabulary "
                 f"[0, {V}) (-1 asks for nothing)"
             )
+
+
+def _validate_controls(sp: SampleSpec, V: int, where: str) -> None:
+    """min_p, logit_bias, the penalties and the constraint (sizes first, then values)."""
+
+    def number(name: str, value: object, ok: bool, expected: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(f"{where}{name} must be a number, got {value!r}")
+        if not (math.isfinite(value) and ok):
+            raise InvalidRequestError(f"{where}{name} must be {expected}, got {value!r}")
+
+    number("min_p", sp.min_p, 0 <= sp.min_p <= 1, "in [0, 1]")
+    m = MAX_ABS_PRESENCE_PENALTY
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sp, name)
+        number(name, value, -m <= value <= m, f"in [-{m:g}, {m:g}]")
+    rp = sp.repetition_penalty
+    number("repetition_penalty", rp, 0 < rp <= MAX_REPETITION_PENALTY,
+           f"in (0, {MAX_REPETITION_PENALTY:g}] (1: off)")  # fmt: skip
+    bias = sp.logit_bias
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"{where}logit_bias must map token ids to numbers")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"{where}logit_bias has {len(bias)} entries, over the limit of {MAX_LOGIT_BIAS_ENTRIES}"
+        )
+    for t, b in bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+            raise InvalidRequestError(
+                f"{where}logit_bias has key {t!r}, expected token ids in [0, {V})"
+            )
+        a = MAX_ABS_LOGIT_BIAS
+        number(f"logit_bias[{t}]", b, -a <= b <= a, f"in [-{a:g}, {a:g}]")
+    if sp.constraint is not None:  # named as the wire names it: json_schema, regex, grammar
+        check_constraint(sp.constraint, f"{where}{sp.constraint.kind}")

@@ -63,7 +63,22 @@ class TrainResult:
 
 
 @dataclass
+class Constraint:
+    """What a row's text must match (treadle.engine.constraints compiles it with llguidance):
+    kind "json_schema" (source: the schema as JSON text; OpenAI's json_object mode is the
+    schema {"type": "object"}), "regex", or "grammar" (a Lark or GBNF grammar)."""
+
+    kind: str
+    source: str
+
+
+@dataclass
 class SampleSpec:
+    """temperature 0 is greedy (the argmax of the logits after the controls). The controls
+    (treadle.engine.sample_controls) act in this order on the raw logits: the constraint's
+    mask, logit_bias, repetition_penalty, presence/frequency penalties; then temperature,
+    min_p, top_k, top_p."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = -1
@@ -72,6 +87,35 @@ class SampleSpec:
     stop_strings: list[str] = field(default_factory=list)
     stop_tokens: list[int] = field(default_factory=list)
     stop_at_eos: bool = True
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # OpenAI's, over the sampled tokens
+    frequency_penalty: float = 0.0  # OpenAI's, over the sampled tokens
+    repetition_penalty: float = 1.0  # HF's (CTRL), over the prompt and the sampled tokens
+    constraint: Constraint | None = None
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether a control beyond temperature / top-k / top-p / min-p acts on the logits."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.constraint is not None
+        )
+
+    @property
+    def shapes(self) -> bool:
+        """Whether tokens are drawn from another distribution than the raw softmax (then a
+        sampled sequence reports sampling_logprobs as well)."""
+        return (
+            self.has_controls
+            or self.temperature != 1.0
+            or self.top_k > 0
+            or self.top_p < 1.0
+            or self.min_p > 0.0
+        )
 
 
 @dataclass
@@ -97,6 +141,9 @@ class SampledSeq:
     stop_reason: str  # "stop" | "length"
     # per sampled token, its top-K (token_id, logprob), with topk_sample_logprobs = K
     topk: list[list[tuple[int, float]]] | None = None
+    # per sampled token, its logprob under the distribution it was drawn from (after the
+    # controls, temperature and filters; 0 for greedy): only where that is not the raw one
+    sampling_logprobs: list[float] | None = None
 
 
 @dataclass

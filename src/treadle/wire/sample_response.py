@@ -59,6 +59,8 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
             s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
         if seq.topk_logprobs is not None:
             s.topk_sampled_logprobs.CopyFrom(_topk_to_proto(seq.topk_logprobs))
+        if seq.sampling_logprobs is not None:
+            s.sampling_logprobs = np.asarray(seq.sampling_logprobs, dtype="<f4").tobytes()
     if resp.prompt_logprobs is not None:
         lps = [math.nan if lp is None else lp for lp in resp.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(lps, dtype="<f4").tobytes()
@@ -84,6 +86,9 @@ def decode_sample_response(body: bytes) -> SampleResponse:
             else None,
             topk_logprobs=[row or [] for row in _topk_from_proto(s.topk_sampled_logprobs)]
             if s.HasField("topk_sampled_logprobs")
+            else None,
+            sampling_logprobs=np.frombuffer(s.sampling_logprobs, dtype="<f4").tolist()
+            if s.HasField("sampling_logprobs")
             else None,
         )
         for s in msg.sequences

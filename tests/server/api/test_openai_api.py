@@ -317,7 +317,13 @@ def test_bad_input_gets_a_400_naming_the_field_in_openai_shape(client, url):
         ({**ok, "messages": [{"content": "no role"}]}, "messages[0].role"),
         ({**ok, "n": 0}, "n"),
         ({**ok, "top_logprobs": 2}, "top_logprobs"),
-        ({**ok, "presence_penalty": 1.0}, "presence_penalty"),
+        ({**ok, "presence_penalty": 5.0}, "presence_penalty"),
+        ({**ok, "logit_bias": {"100000": 1}}, "logit_bias"),
+        ({**ok, "guided_regex": "(unclosed"}, "guided_regex"),
+        (
+            {**ok, "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
     ]
     for body, param in cases:
         resp = post(body)

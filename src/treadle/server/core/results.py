@@ -85,6 +85,7 @@ def sample_response(result: SampleResult) -> SampleResponse:
                 tokens=s.tokens,
                 logprobs=s.logprobs,
                 topk_logprobs=s.topk,
+                sampling_logprobs=s.sampling_logprobs,
             )
             for s in result.sequences
         ],

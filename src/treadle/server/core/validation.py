@@ -7,6 +7,7 @@ before anything is queued and again by the engine before any model work.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -21,13 +22,13 @@ from treadle.engine.specs import (
     validate_sample_request,
     validate_train_batch,
 )
-from treadle.engine.types import AdamSpec, LoraSpec, SampleSpec, TrainDatum
+from treadle.engine.types import AdamSpec, Constraint, LoraSpec, SampleSpec, TrainDatum
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.errors import InvalidRequestError
 from treadle.protocol.facts import EngineFacts
 from treadle.protocol.ops import CustomLossRef, TrainData
 from treadle.server.config import InputLimits
-from treadle.types import LoraConfig
+from treadle.types import LoraConfig, SamplingParams
 from treadle.wire.codec import ForwardBackwardArrays
 from treadle.wire.requests import OptimStepRequest, SampleRequest
 
@@ -170,6 +171,7 @@ def sample_request(
         stop_strings=stop_strings,
         stop_tokens=stop_tokens,
         stop_at_eos=sp.stop is None or bool(sp.stop),  # stop=[] ignores EOS
+        **sampling_controls(sp),
     )
     out = EngineSampleRequest(
         prompt=prompt,
@@ -183,6 +185,29 @@ def sample_request(
         prompt_alt_tokens_k=req.prompt_alt_tokens_k,
     )
     validate_sample_request(out, facts.vocab_size, max_len)
+    return out
+
+
+def sampling_controls(sp: SamplingParams) -> dict[str, Any]:
+    """The wire's sampling controls as SampleSpec fields (their values checked later, by
+    validate_sample_request): at most one of json_schema, regex and grammar."""
+    kinds = [k for k in ("json_schema", "regex", "grammar") if getattr(sp, k) is not None]
+    if len(kinds) > 1:
+        raise InvalidRequestError(
+            f"sampling_params.{kinds[1]}: only one constraint per request, got {kinds}"
+        )
+    out: dict[str, Any] = {
+        "min_p": 0.0 if sp.min_p is None else sp.min_p,
+        "logit_bias": dict(sp.logit_bias or {}),
+        "presence_penalty": sp.presence_penalty or 0.0,
+        "frequency_penalty": sp.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+    }
+    if kinds:
+        source = getattr(sp, kinds[0])
+        if kinds[0] == "json_schema" and not isinstance(source, str):
+            source = json.dumps(source)
+        out["constraint"] = Constraint(kinds[0], source)
     return out
 
 

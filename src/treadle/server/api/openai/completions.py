@@ -195,6 +195,8 @@ def chat_response(r: Result) -> dict[str, Any]:
         }
         if r.return_token_ids:
             choice["token_ids"] = s.tokens_T
+        if (r.spec.logprobs or r.return_token_ids) and s.sampling_logprobs_T is not None:
+            choice["sampling_logprobs"] = s.sampling_logprobs_T  # docs/sampling.md
         choices.append(choice)
     out = {
         "id": r.id,
@@ -229,6 +231,8 @@ def completion_response(r: Result) -> dict[str, Any]:
         if r.return_token_ids:
             choice["token_ids"] = s.tokens_T
             choice["prompt_token_ids"] = r.prompts_P[c.index // r.spec.n]
+        if (r.spec.logprobs or r.return_token_ids) and s.sampling_logprobs_T is not None:
+            choice["sampling_logprobs"] = s.sampling_logprobs_T  # docs/sampling.md
         choices.append(choice)
     return {
         "id": r.id,

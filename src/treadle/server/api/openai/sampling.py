@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from treadle.engine.types import SampleRequest as EngineSampleRequest
 from treadle.engine.types import SampleResult
@@ -33,12 +34,15 @@ from treadle.wire.requests import SampleRequest
 
 @dataclass
 class Sampled:
-    """One choice: its tokens, their logprobs, why it ended, and the top-K at each token."""
+    """One choice: its tokens, their logprobs, why it ended, the top-K at each token, and
+    the logprobs under the distribution they were drawn from (where that is not the raw
+    one: temperature, filters or controls)."""
 
     tokens_T: list[int]
     logprobs_T: list[float]
     stop_reason: str
     top_TK: list[list[tuple[int, float]]] | None = None
+    sampling_logprobs_T: list[float] | None = None
 
 
 def check_room(
@@ -77,6 +81,11 @@ def engine_request(
     """The engine's request for `spec.n` continuations of one prompt, checked by the same
     validator as asample's."""
     facts = state.engines.facts(target.base_model)
+    for t in spec.logit_bias:
+        if t >= facts.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias: token id {t} is outside the vocabulary [0, {facts.vocab_size})"
+            )
     body = SampleRequest(
         num_samples=spec.n,
         prompt=ModelInput.from_ints(prompt_T),
@@ -87,6 +96,7 @@ def engine_request(
             temperature=spec.temperature,
             top_k=spec.top_k,
             top_p=spec.top_p,
+            **_controls(spec),
         ),
         sampling_session_id=target.sampling_session_id,
         topk_sample_logprobs=spec.top_logprobs,
@@ -94,9 +104,24 @@ def engine_request(
     return validation.sample_request(body, target.adapter, facts, None, state.config.limits)
 
 
+def _controls(spec: Sampling) -> dict[str, Any]:
+    """The request's sampling controls as SamplingParams fields (None where unused)."""
+    out: dict[str, Any] = {
+        "min_p": spec.min_p or None,
+        "logit_bias": spec.logit_bias or None,
+        "presence_penalty": spec.presence_penalty or None,
+        "frequency_penalty": spec.frequency_penalty or None,
+        "repetition_penalty": None if spec.repetition_penalty == 1.0 else spec.repetition_penalty,
+    }
+    if spec.constraint is not None:
+        out[spec.constraint.kind] = spec.constraint.source
+    return out
+
+
 def sampled_of(result: SampleResult) -> list[Sampled]:
     return [
-        Sampled(s.tokens, list(s.logprobs or []), s.stop_reason, s.topk) for s in result.sequences
+        Sampled(s.tokens, list(s.logprobs or []), s.stop_reason, s.topk, s.sampling_logprobs)
+        for s in result.sequences
     ]
 
 

@@ -285,6 +285,8 @@ class SampleResponse(_Wire):
     target_prompt_logprobs: TensorData | None = None
     # prompt_alt_tokens_k draws per prompt position: ids int64 and logprobs float32, (P-1, K)
     prompt_alt_tokens: tuple[TensorData, TensorData] | None = None
+    # leading prompt tokens the server's prefix cache held (not multiplied by num_samples)
+    prompt_cache_hit_tokens: int = 0
     type: Literal["sample"] = "sample"
 
 

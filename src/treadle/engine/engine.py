@@ -17,6 +17,7 @@ from treadle.engine.logprobs import check_head
 from treadle.engine.lora import AdapterBank
 from treadle.engine.memory import MemoryPlan, MemorySettings, ModelShape
 from treadle.engine.models import load_base_model
+from treadle.engine.prefix_cache import PrefixCache, cacheable_model
 from treadle.engine.threads import threads_for
 from treadle.engine.types import (
     AdamSpec,
@@ -30,6 +31,8 @@ from treadle.engine.types import (
 if TYPE_CHECKING:
     from treadle.engine.sample import DecodeBatch
 
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+
 
 class Engine:
     def __init__(
@@ -40,6 +43,7 @@ class Engine:
         model_name: str | None = None,
         memory: MemorySettings | None = None,
         max_seq_len: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ):
         """Load an HF causal LM folder (config + safetensors + tokenizer) frozen.
 
@@ -53,7 +57,10 @@ class Engine:
         memory: activation checkpointing and the memory budget (default: auto, 90 % of the
         device's memory). max_seq_len: accept sequences this long even past the model's
         context (RoPE positions beyond those it was trained on: they run, with whatever
-        quality the model has there); default the model's context.
+        quality the model has there); default the model's context. prefix_cache_bytes:
+        the sampler's prefix cache across requests (treadle.engine.prefix_cache; 0: off),
+        attribute prefix_cache (None when off, or when the model's cache kind cannot be
+        kept: prefix_cache_off says why).
         """
         base = load_base_model(model_dir, dtype=dtype, device=device)
         self.base = base
@@ -77,6 +84,8 @@ class Engine:
             can_checkpoint=self.layer_checkpointing.available,
         )
         self.max_train_tokens = self.memory_plan.max_tokens
+        self.prefix_cache_off = cacheable_model(self.model) if prefix_cache_bytes > 0 else "off"
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if not self.prefix_cache_off else None
 
     @property
     def arch(self) -> str | None:

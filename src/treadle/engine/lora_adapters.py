@@ -9,6 +9,7 @@ that routes rows to these adapters is treadle.engine.lora.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "feed_forward", "ffn")
 # linear layers that score experts rather than transform tokens (gate_proj is not one)
 _GATE_LEAVES = ("gate", "router")
+_UIDS = itertools.count()
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Adapter:
     layers: dict[str, LoraPair]  # module path -> pair, sorted by path
     trainable: bool
     extra: dict = field(default_factory=dict)  # free slot for the trainer (optimizer, step)
+    # never shared by two adapter objects, even under one id: the prefix cache's version
+    uid: int = field(default_factory=lambda: next(_UIDS), compare=False)
 
     def parameters(self) -> list[torch.Tensor]:
         """A and B of each module, in module-path order (the order optimizer state uses)."""

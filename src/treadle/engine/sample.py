@@ -48,6 +48,7 @@ import torch
 from treadle.engine.decode import Cohort, cache_arg, join, joinable
 from treadle.engine.sample_cohort import _cohort
 from treadle.engine.sample_plan import _Plan, _plan
+from treadle.engine.sample_prefill import prefill_with_prefixes
 from treadle.engine.sample_utils import preallocate, validate_request
 from treadle.engine.threads import CallThreads, threads_for
 from treadle.engine.types import SampledSeq, SampleRequest, SampleResult
@@ -337,7 +338,11 @@ def _prefill_and_expand(
     full = any(r in plan.topks for r in gen_rows)
     M = max(requests[i].params.max_tokens for i in generating)
     # with max_tokens 1 everywhere the prefill logits give every token: no cache needed
-    logits, cache, T = _prefill(engine, [plan.keys[r] for r in gen_rows], full, M > 1)
+    pc = getattr(engine, "prefix_cache", None)
+    if pc is None:
+        logits, cache, T = _prefill(engine, [plan.keys[r] for r in gen_rows], full, M > 1)
+    else:  # from cached prefixes where it can (treadle.engine.sample_prefill)
+        logits, cache, T = _prefill_cached(engine, pc, plan, requests, results, gen_rows, M > 1)
     if full:
         plan.collect(logits, gen_rows, T, requests, results)
     last = logits[:, -1]  # (P, V): left padding puts every prompt's last token at T-1
@@ -356,6 +361,33 @@ def _prefill_and_expand(
         cache,
         T,
     )
+
+
+def _prefill_cached(
+    engine: Any,
+    pc: Any,
+    plan: _Plan,
+    requests: list[SampleRequest],
+    results: list[SampleResult],
+    gen_rows: list[int],
+    use_cache: bool,
+) -> tuple[torch.Tensor, Any, int]:
+    """_prefill's pass with the engine's prefix cache; each generating request's result
+    gets the prompt tokens its own scope's cache held."""
+    scopes: dict[int, list[str]] = {r: [] for r in gen_rows}
+    for req, r in zip(requests, plan.row_of_req, strict=True):
+        if r in scopes and req.prefix_scope not in scopes[r]:
+            scopes[r].append(req.prefix_scope)
+    needs_full = [r in plan.topks or r in plan.per_request for r in gen_rows]
+    logits, cache, T, hits = prefill_with_prefixes(
+        engine, pc, [plan.keys[r] for r in gen_rows], [scopes[r] for r in gen_rows],
+        needs_full, any(needs_full), use_cache,
+    )  # fmt: skip
+    local = {r: j for j, r in enumerate(gen_rows)}
+    for req, res, r in zip(requests, results, plan.row_of_req, strict=True):
+        if r in local:
+            res.prompt_cache_hit_tokens = hits[local[r]][req.prefix_scope]
+    return logits, cache, T
 
 
 def _chunks(rows: list[int], lens: list[int], vocab_size: int) -> list[list[int]]:

@@ -132,6 +132,8 @@ class SampleRequest:
     target_prompt_ids: np.ndarray | None = None
     topk_sample_logprobs: int = 0  # the top K at every sampled position
     prompt_alt_tokens_k: int = 0  # K draws at the request's temperature per prompt position
+    # rows share cached prompt prefixes only within one scope (the server: the tenant)
+    prefix_scope: str = ""
 
 
 @dataclass
@@ -154,3 +156,4 @@ class SampleResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     target_prompt_logprobs: np.ndarray | None = None  # (P-1, K) fp32, 0 where the id was -1
     prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None  # ids, logprobs: (P-1, K)
+    prompt_cache_hit_tokens: int = 0  # leading prompt tokens the prefix cache held

@@ -300,9 +300,10 @@ Result = TrainResult | SampleResult | ModelResult | LoadResult | OptimResult | S
 class Usage:
     """Metered tokens of one op (treadle.server.tenancy.metering)."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled: a sample's prompt less what the prefix cache held
     sampled_tokens: int = 0
     train_tokens: int = 0
+    cached_prompt_tokens: int = 0  # a sample's prompt tokens the prefix cache held
 
 
 def sample_sequence_id(request_id: str, index: int) -> str:

@@ -36,6 +36,7 @@ class WorkerConfig:
     memory_budget_gb: float | None = None  # the engine's peak per call (None: 90 % of the device)
     checkpoint_above_gb: float | None = None  # auto: checkpoint a call above this
     max_context: int | None = None  # sequences past the model's own context, if allowed
+    prefix_cache_gb: float = 0.25  # the sampler's prefix cache across requests (0: off)
     otel_endpoint: str | None = None  # OTLP/HTTP traces (treadle.protocol.tracing)
 
     @property

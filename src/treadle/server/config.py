@@ -33,12 +33,26 @@ def parse_model_arg(arg: str) -> tuple[str, str]:
     return (path.stem if path.is_file() else path.resolve().name), arg
 
 
+# What a cached prompt token costs against a computed one, unless a price says otherwise:
+# it skips the prefill's compute but holds memory (Tinker bills cache hits at a fraction too).
+CACHED_PREFILL_FRACTION = 0.25
+
+
 class Price(BaseModel):
     """$ per million tokens of one base model, per metered counter."""
 
     prefill: float = 0.0
     sample: float = 0.0
     train: float = 0.0
+    cached_prefill: float | None = None
+    """Prompt tokens the sampler's prefix cache held; None: CACHED_PREFILL_FRACTION of
+    prefill."""
+
+    @property
+    def cached_prefill_rate(self) -> float:
+        if self.cached_prefill is None:
+            return self.prefill * CACHED_PREFILL_FRACTION
+        return self.cached_prefill
 
 
 class InputLimits(BaseModel):
@@ -171,6 +185,10 @@ class ServerConfig(BaseModel):
     its input and backward runs it again: about a third more compute for a fraction of the
     activation memory); auto (on for a call whose estimated activations exceed
     checkpoint_above_gb)."""
+    prefix_cache_gb: float = 0.25
+    """Memory of each engine's prefix cache: the prompt KV of earlier sample requests,
+    reused by later ones that start alike (the next turn, the next request on one prompt),
+    per tenant and weights version, least recently used first out; 0 turns it off."""
     memory_budget_gb: float | None = None
     """GiB an engine process may use at the peak of a forward/forward_backward, weights
     included (estimated from the model's config before the call runs): a longer sequence
@@ -257,6 +275,13 @@ class ServerConfig(BaseModel):
     def _known_checkpointing(cls, v: str) -> str:
         if v not in ("off", "on", "auto"):
             raise ValueError(f"activation_checkpointing must be off, on or auto, got {v!r}")
+        return v
+
+    @field_validator("prefix_cache_gb")
+    @classmethod
+    def _prefix_cache_not_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"must be >= 0 (0: off), got {v}")
         return v
 
     @field_validator("memory_budget_gb", "checkpoint_above_gb", "max_context")

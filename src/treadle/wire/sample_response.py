@@ -68,6 +68,7 @@ def encode_sample_response(resp: SampleResponse) -> bytes:
         msg.topk_prompt_logprobs.CopyFrom(_topk_to_proto(resp.topk_prompt_logprobs))
     if resp.target_prompt_logprobs is not None:
         msg.target_prompt_logprobs.CopyFrom(tensor_to_proto(resp.target_prompt_logprobs))
+    msg.prompt_cache_hit_tokens = resp.prompt_cache_hit_tokens
     if resp.prompt_alt_tokens is not None:
         ids, lps = resp.prompt_alt_tokens
         msg.prompt_alt_tokens.tokens.CopyFrom(tensor_to_proto(ids))
@@ -115,4 +116,5 @@ def decode_sample_response(body: bytes) -> SampleResponse:
         topk_prompt_logprobs=topk,
         target_prompt_logprobs=target,
         prompt_alt_tokens=alt,
+        prompt_cache_hit_tokens=msg.prompt_cache_hit_tokens,
     )

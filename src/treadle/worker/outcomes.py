@@ -44,9 +44,9 @@ def sample_outcome(op: Op, result: SampleResult) -> Outcome:
         if result.topk_prompt_logprobs:
             result.topk_prompt_logprobs = [None] * cut + list(result.topk_prompt_logprobs[cut:])
     sampled = sum(len(s.tokens) for s in result.sequences)
-    outcome = Outcome.ok(
-        op.request_id, result, Usage(prompt_tokens=len(req.prompt), sampled_tokens=sampled)
-    )
+    cached = result.prompt_cache_hit_tokens  # metered apart, at its own price
+    usage = Usage(len(req.prompt) - cached, sampled, cached_prompt_tokens=cached)
+    outcome = Outcome.ok(op.request_id, result, usage)
     if p.record is not None:  # record_stability_info: kept with the result, for provenance
         outcome.records = [
             SequenceRecord(

@@ -92,6 +92,7 @@ def load_engine(config: WorkerConfig, device: str | None = None) -> Any:
         model_name=config.name,
         memory=memory,
         max_seq_len=config.max_context,
+        prefix_cache_bytes=int(config.prefix_cache_gb * (1 << 30)),
     )
 
 

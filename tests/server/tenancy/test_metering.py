@@ -118,7 +118,12 @@ def test_each_result_carries_its_usage(treadle_server):
     model = api.model(sid)
     rid = api.forward(model, 1, [4, 6]).json()["request_id"]
     as_json = api.done(rid)
-    assert as_json["usage"] == {"prefill_tokens": 0, "sample_tokens": 0, "train_tokens": 10}
+    assert as_json["usage"] == {
+        "prefill_tokens": 0,
+        "sample_tokens": 0,
+        "train_tokens": 10,
+        "cached_prefill_tokens": 0,
+    }
     body = api.result(rid, proto=True).content
     assert proto_usage(body) == as_json["usage"]
     # the extra field is invisible to protobuf parsers, ours and the official SDK's
@@ -137,8 +142,44 @@ def test_each_result_carries_its_usage(treadle_server):
     got = codec.decode_sample_response(body)
     assert len(tinker_conv.deserialize_sample_response(body).sequences) == 2
     generated = sum(len(s.tokens) for s in got.sequences)
-    assert proto_usage(body) == {"prefill_tokens": 3, "sample_tokens": generated, "train_tokens": 0}
+    assert proto_usage(body) == {
+        "prefill_tokens": 3,
+        "sample_tokens": generated,
+        "train_tokens": 0,
+        "cached_prefill_tokens": 0,
+    }
     assert api.done(rid)["usage"] == proto_usage(body)
     adam = {"learning_rate": 1e-3}
     step = api.ok("optim_step", {"model_id": model, "seq_id": 2, "adam_params": adam})
     assert "usage" not in api.done(step["request_id"])  # only token operations carry usage
+
+
+def test_prefix_cache_hits_are_reported_and_metered_at_their_own_price(start_server):
+    """The next request on one prompt and the next turn of a conversation reuse the cached
+    prompt: the official SDK reads the hit tokens, the meter counts them apart and prices
+    them at the cached rate (a fraction of prefill unless the price names one)."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types as T
+
+    prices = {TINY: {"prefill": 0.5, "sample": 2.0, "train": 3.0, "cached_prefill": 0.1}}
+    server = start_server(config={"prices": prices})
+    sc = tinker.ServiceClient(base_url=server.url, api_key="tml-metering")
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=0).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = np.random.default_rng(5).integers(0, 200, 40).tolist()
+    turn2 = prompt + [7, 8, 9, 10, 11]
+
+    def ask(tokens: list[int], seed: int):
+        params = T.SamplingParams(max_tokens=3, seed=seed)
+        return sampler.sample(T.ModelInput.from_ints(tokens), 2, params).result()
+
+    first, again, nxt = ask(prompt, 1), ask(prompt, 2), ask(turn2, 3)
+    assert [r.prompt_cache_hit_tokens for r in (first, again, nxt)] == [0, 39, 40]
+    sc.close("success").result(timeout=30)
+
+    total = Api(server.url, "tml-metering").get("treadle/usage").json()["total"]
+    sample = sum(len(s.tokens) for r in (first, again, nxt) for s in r.sequences)
+    prefill, cached = 40 + 1 + 5, 39 + 40  # computed once per request; held by the cache
+    assert (total["prefill_tokens"], total["cached_prefill_tokens"]) == (prefill, cached)
+    cost = (prefill * 0.5 + cached * 0.1 + sample * 2.0) / 1e6
+    assert total["cost_usd"] == pytest.approx(cost, rel=1e-9)

@@ -162,7 +162,12 @@ def test_usage_field_is_invisible_to_protobuf_parsers():
         sequences=[SampledSequence(stop_reason="length", tokens=[1, 2, 3], logprobs=[-1.0] * 3)]
     )
     body = codec.encode_sample_response(resp)
-    usage = {"prefill_tokens": 300, "sample_tokens": 3, "train_tokens": 2**40}
+    usage = {
+        "prefill_tokens": 300,
+        "sample_tokens": 3,
+        "train_tokens": 2**40,
+        "cached_prefill_tokens": 17,
+    }
     tagged = metering.with_usage(body, "application/x-protobuf", usage)
     assert metering.proto_usage(tagged) == usage and metering.proto_usage(body) is None
     assert codec.decode_sample_response(tagged).sequences[0].tokens == [1, 2, 3]

@@ -36,6 +36,7 @@ def encode(outcome: Outcome) -> Finished:
             prompt_tokens=u.prompt_tokens,
             sampled_tokens=u.sampled_tokens,
             train_tokens=u.train_tokens,
+            cached_prompt_tokens=u.cached_prompt_tokens,
         )
     if outcome.body is None:
         outcome.body, outcome.content_type = _body(outcome.result)
@@ -47,6 +48,7 @@ def encode(outcome: Outcome) -> Finished:
         prompt_tokens=u.prompt_tokens,
         sampled_tokens=u.sampled_tokens,
         train_tokens=u.train_tokens,
+        cached_prompt_tokens=u.cached_prompt_tokens,
     )
 
 
@@ -92,6 +94,7 @@ def sample_response(result: SampleResult) -> SampleResponse:
         prompt_logprobs=result.prompt_logprobs,
         topk_prompt_logprobs=result.topk_prompt_logprobs,
         target_prompt_logprobs=None if target is None else TensorData.from_numpy(target),
+        prompt_cache_hit_tokens=result.prompt_cache_hit_tokens,
         prompt_alt_tokens=None
         if alt is None
         else (TensorData.from_numpy(np.asarray(alt[0])), TensorData.from_numpy(alt[1])),
@@ -110,4 +113,5 @@ def finished_of_row(row: dict[str, Any]) -> Finished:
         prompt_tokens=row["prompt_tokens"] or 0,
         sampled_tokens=row["sampled_tokens"] or 0,
         train_tokens=row["train_tokens"] or 0,
+        cached_prompt_tokens=row.get("cached_prompt_tokens") or 0,
     )

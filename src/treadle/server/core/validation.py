@@ -119,8 +119,10 @@ def sample_request(
     facts: EngineFacts,
     default_max_tokens: int | None,
     limits: InputLimits = DEFAULT_LIMITS,
+    scope: str = "",
 ) -> EngineSampleRequest:
-    """Validate an asample body and translate it into the engine's request.
+    """Validate an asample body and translate it into the engine's request. `scope`: whose
+    cached prompt prefixes it may use (the tenant; treadle.engine.prefix_cache).
 
     Sizes come first: the cells of every requested table (target ids, top-K logprobs,
     alternative tokens) are checked against `limits` before any of them exists."""
@@ -183,6 +185,7 @@ def sample_request(
         target_prompt_ids=target_ids,
         topk_sample_logprobs=req.topk_sample_logprobs,
         prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+        prefix_scope=scope,
     )
     validate_sample_request(out, facts.vocab_size, max_len)
     return out

@@ -109,10 +109,12 @@ class RequestRow(Base):
     result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     content_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    # Metered usage (treadle.server.tenancy.metering): prefill, sample and train tokens.
+    # Metered usage (treadle.server.tenancy.metering): prefill, sample and train tokens,
+    # and prompt tokens the sampler's prefix cache held (not in prompt_tokens)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     train_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

@@ -18,11 +18,13 @@ from treadle.server.storage.rows import ApiKeyRow, CheckpointRow, RequestRow, Se
 from treadle.server.tenancy.metering import metered
 
 MAX_WINDOW = dt.timedelta(days=14)
-# usage kind → (request column, the price's field)
+# usage kind → (request column, the price's rate); the cached prefill is a sampling_prefill
+# event with cached true
 TOKEN_KINDS = {
     "training": ("train_tokens", "train"),
     "sampling_prefill": ("prompt_tokens", "prefill"),
     "sampling_sample": ("sampled_tokens", "sample"),
+    "sampling_prefill_cached": ("cached_prompt_tokens", "cached_prefill_rate"),
 }
 
 
@@ -55,6 +57,7 @@ def usage_events(
                 r.c.train_tokens,
                 r.c.prompt_tokens,
                 r.c.sampled_tokens,
+                r.c.cached_prompt_tokens,
             ).where(  # fmt: skip
                 (r.c.tenant_id == tenant_id)
                 & metered(r)
@@ -99,9 +102,10 @@ def usage_events(
         if kind == "checkpoint":
             event["event_info"] = {"type": "checkpoint", "count": count}
         else:
-            info_ = {"type": kind, "token_count": count}
-            if kind == "sampling_prefill":
-                info_["cached"] = False
+            cached = kind == "sampling_prefill_cached"
+            info_ = {"type": "sampling_prefill" if cached else kind, "token_count": count}
+            if kind.startswith("sampling_prefill"):
+                info_["cached"] = cached
             price = prices.get(base_model or "")
             rate = getattr(price, TOKEN_KINDS[kind][1]) if price is not None else None
             event["event_info"] = info_

@@ -6,7 +6,10 @@ trains through the Service is metered, whatever route it came by:
   request: its num_samples completions share one pass over the prompt;
 - sample: the tokens generated, summed over the request's completions (compute_logprobs is
   a sample of max_tokens 1, so it generates, and counts, one token);
-- train: the model-input tokens of a forward or forward_backward request.
+- train: the model-input tokens of a forward or forward_backward request;
+- cached_prefill: the prompt tokens of a sample request that the sampler's prefix cache
+  held (treadle.engine.prefix_cache), priced apart (Price.cached_prefill, by default a
+  fraction of prefill) and not counted in prefill.
 Only operations that succeed are counted; time spent between calls costs nothing.
 
 The counts are written with the result (the requests table) and the result of every
@@ -30,12 +33,13 @@ from treadle.server.storage.rows import DEFAULT_TENANT_ID, RequestRow, SessionRo
 USAGE_FIELD = 1001
 # The operations that process tokens; their results carry their usage.
 METERED_KINDS = ("forward", "forward_backward", "sample")
-COUNTERS = ("prefill_tokens", "sample_tokens", "train_tokens")
+COUNTERS = ("prefill_tokens", "sample_tokens", "train_tokens", "cached_prefill_tokens")
 # RequestRow columns of each counter
 COLUMN_OF = {
     "prefill_tokens": "prompt_tokens",
     "sample_tokens": "sampled_tokens",
     "train_tokens": "train_tokens",
+    "cached_prefill_tokens": "cached_prompt_tokens",
 }
 GROUPINGS = ("session", "day", "model")
 
@@ -70,8 +74,10 @@ def _varint(n: int) -> bytes:
 
 
 def _usage_field(usage: dict[str, int]) -> bytes:
-    # a message {1: prefill, 2: sample, 3: train} as length-delimited field USAGE_FIELD
-    inner = b"".join(_varint(i << 3) + _varint(usage[c]) for i, c in enumerate(COUNTERS, start=1))
+    # a message {1: prefill, 2: sample, 3: train, 4: cached prefill} as field USAGE_FIELD
+    inner = b"".join(
+        _varint(i << 3) + _varint(usage.get(c, 0)) for i, c in enumerate(COUNTERS, start=1)
+    )
     return _varint(USAGE_FIELD << 3 | 2) + _varint(len(inner)) + inner
 
 
@@ -127,6 +133,7 @@ def cost_usd(usage: dict[str, int], price: Price | None) -> float:
         usage["prefill_tokens"] * price.prefill
         + usage["sample_tokens"] * price.sample
         + usage["train_tokens"] * price.train
+        + usage.get("cached_prefill_tokens", 0) * price.cached_prefill_rate
     )
     return per_million / 1e6
 
@@ -159,7 +166,7 @@ def usage_query(since: str | None, by: str | None) -> dt.datetime | None:
 def metered(r: Any) -> Any:
     """The requests usage counts: the finished ones, and the failed ones that ran part of
     the way first (a generation cancelled after it sampled some tokens)."""
-    ran = r.c.prompt_tokens + r.c.sampled_tokens + r.c.train_tokens
+    ran = r.c.prompt_tokens + r.c.sampled_tokens + r.c.train_tokens + r.c.cached_prompt_tokens
     return (r.c.status == "done") | ((r.c.status == "failed") & (ran > 0))
 
 
@@ -247,7 +254,7 @@ def format_report(report: dict[str, Any]) -> str:
     """The report as a text table (the `treadle usage` command)."""
     named = report["by"] == "session"  # a session's row also shows its name
     head = ["tenant", report["by"], *(["name"] if named else [])]
-    head += ["requests", "prefill", "sample", "train", "cost $"]
+    head += ["requests", "prefill", "sample", "train", "cached", "cost $"]
     lines = [head]
     for row in report["rows"]:
         lines.append(

@@ -129,10 +129,10 @@ class SpendBook:
         tenant_id: str,
         kid: str | None,
         base_model: str | None,
-        counts: tuple[int, int, int],
+        counts: tuple[int, ...],
         when: float,
     ) -> None:
-        """Count one successful operation's (prefill, sample, train) tokens, finished at
+        """Count one successful operation's tokens (metering.COUNTERS), finished at
         `when` (epoch seconds), for its tenant and its key (any thread)."""
         if not any(counts):
             return
@@ -153,7 +153,8 @@ class SpendBook:
         base_model: str | None,
         counts: Any,
     ) -> None:
-        usage = dict(zip(COUNTERS, (int(c) for c in counts), strict=True))
+        usage = dict.fromkeys(COUNTERS, 0)  # counts may end before the later counters
+        usage.update(zip(COUNTERS, (int(c) for c in counts), strict=False))
         slot = self._spent.get((tenant_id, scope, period))
         if slot is None or slot.start < start:  # a new period begins at zero
             slot = self._spent[(tenant_id, scope, period)] = Spent(start)

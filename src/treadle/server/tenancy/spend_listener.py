@@ -72,7 +72,7 @@ class SpendListener:
             charged = [(o, c) for o in outcomes if (c := self._filed.pop(o.request_id, None))]
         for o, c in charged:  # an outcome heard twice is charged once: its entry is gone
             u = o.usage  # a failed op is charged for what ran of it (a cancelled one)
-            counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens)
+            counts = (u.prompt_tokens, u.sampled_tokens, u.train_tokens, u.cached_prompt_tokens)
             if o.succeeded or any(counts):
                 when = o.finished_at if o.finished_at is not None else time.time()
                 self.book.add(c.tenant_id, c.key_id, c.base_model, counts, when)

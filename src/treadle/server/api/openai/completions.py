@@ -65,10 +65,13 @@ class Result:
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts_P)
         completion = sum(len(c.sampled.tokens_T) for c in self.choices)
+        # choices run prompt-major, n per prompt: each prompt's cache hit counted once
+        cached = sum(c.sampled.prompt_cached for c in self.choices[:: max(self.spec.n, 1)])
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
 

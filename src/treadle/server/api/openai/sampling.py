@@ -43,6 +43,7 @@ class Sampled:
     stop_reason: str
     top_TK: list[list[tuple[int, float]]] | None = None
     sampling_logprobs_T: list[float] | None = None
+    prompt_cached: int = 0  # its prompt's tokens the prefix cache held (per prompt, not choice)
 
 
 def check_room(
@@ -77,6 +78,7 @@ def engine_request(
     spec: Sampling,
     max_tokens: int,
     seed: int | None,
+    tenant_id: str = "",
 ) -> EngineSampleRequest:
     """The engine's request for `spec.n` continuations of one prompt, checked by the same
     validator as asample's."""
@@ -101,7 +103,9 @@ def engine_request(
         sampling_session_id=target.sampling_session_id,
         topk_sample_logprobs=spec.top_logprobs,
     )
-    return validation.sample_request(body, target.adapter, facts, None, state.config.limits)
+    return validation.sample_request(
+        body, target.adapter, facts, None, state.config.limits, scope=tenant_id
+    )
 
 
 def _controls(spec: Sampling) -> dict[str, Any]:
@@ -119,8 +123,9 @@ def _controls(spec: Sampling) -> dict[str, Any]:
 
 
 def sampled_of(result: SampleResult) -> list[Sampled]:
+    hit = result.prompt_cache_hit_tokens
     return [
-        Sampled(s.tokens, list(s.logprobs or []), s.stop_reason, s.topk, s.sampling_logprobs)
+        Sampled(s.tokens, list(s.logprobs or []), s.stop_reason, s.topk, s.sampling_logprobs, hit)
         for s in result.sequences
     ]
 
@@ -134,7 +139,7 @@ async def sample(
     max_tokens: int,
 ) -> list[Sampled]:
     """`spec.n` continuations of one prompt (and their top-K logprobs if asked)."""
-    request = engine_request(state, target, prompt_T, spec, max_tokens, spec.seed)
+    request = engine_request(state, target, prompt_T, spec, max_tokens, spec.seed, tenant.tenant_id)
     return sampled_of(await _run(state, tenant, target, request))
 
 
@@ -151,7 +156,7 @@ async def file_streamed(
     again (its worker restarted) samples the same tokens and a stream that already sent
     some of them carries on without repeating or contradicting itself."""
     seed = spec.seed if spec.seed is not None else secrets.randbits(63)
-    request = engine_request(state, target, prompt_T, spec, max_tokens, seed)
+    request = engine_request(state, target, prompt_T, spec, max_tokens, seed, tenant.tenant_id)
     return await _file(state, tenant, target, Sample(request, stream=True))
 
 

@@ -339,6 +339,7 @@ async def asample(state: ServerState, tenant: Tenant, body: SampleRequest) -> di
         engine.facts,
         default,
         state.config.limits,
+        tenant.tenant_id,
     )
     # record_stability_info: its sequences are kept for the session's training requests
     record = RecordTo(tenant.tenant_id, sampler.session_id) if body.record_stability_info else None

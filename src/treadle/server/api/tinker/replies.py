@@ -41,6 +41,7 @@ def reply(
         "prefill_tokens": done.prompt_tokens,
         "sample_tokens": done.sampled_tokens,
         "train_tokens": done.train_tokens,
+        "cached_prefill_tokens": done.cached_prompt_tokens,
     }
     return with_usage(result, content_type, usage), content_type
 

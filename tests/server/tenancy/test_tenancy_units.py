@@ -182,7 +182,8 @@ def test_usage_report_groups_and_prices(store):
         ("a", "s1", "m1", 10, 5, 0, "done", day1),
         ("a", "s1", "m1", 0, 0, 100, "done", day1),
         ("a", "s2", "m2", 7, 3, 0, "done", day2),
-        ("a", "s2", "m2", 0, 0, 999, "failed", day2),  # failed: not metered
+        ("a", "s2", "m2", 0, 0, 0, "failed", day2),  # failed before it ran: not metered
+        ("a", "s2", "m2", 4, 2, 0, "failed", day2),  # cancelled mid-generation: what ran
         ("b", "s3", "m1", 1000, 0, 0, "done", day2),
     ]
     with store.engine.begin() as conn:
@@ -204,18 +205,18 @@ def test_usage_report_groups_and_prices(store):
     report = metering.usage_report(store.engine, prices, tenant_id="a", by="model")
     assert [(r["key"], r["prefill_tokens"], r["train_tokens"]) for r in report["rows"]] == [
         ("m1", 10, 100),
-        ("m2", 7, 0),
+        ("m2", 11, 0),
     ]
     assert report["total"]["cost_usd"] == pytest.approx((10 * 1 + 5 * 2 + 100 * 3) / 1e6)
     assert report["unpriced_models"] == ["m2"]
     by_day = metering.usage_report(store.engine, prices, "a", by="day")
     assert [(r["key"], r["requests"]) for r in by_day["rows"]] == [
         ("2026-11-01", 2),
-        ("2026-11-02", 1),
+        ("2026-11-02", 2),
     ]
     since = metering.parse_since("2026-11-02")
     late = metering.usage_report(store.engine, prices, "a", since=since, by="session")
     assert [r["key"] for r in late["rows"]] == ["s2"]
     everyone = metering.usage_report(store.engine, prices)
-    assert {r["key"]: r["prefill_tokens"] for r in everyone["rows"]} == {"a": 17, "b": 1000}
+    assert {r["key"]: r["prefill_tokens"] for r in everyone["rows"]} == {"a": 21, "b": 1000}
     assert "total" in metering.format_report(everyone)

@@ -84,7 +84,7 @@ def test_paced_groups_are_never_too_stale_and_none_is_discarded():
     try:
         for step in range(8):
             got = []
-            while len(got) < cfg.batch_size:
+            while len(got) < cfg.batch_size or pool.has_due(step):
                 res = pool.next_for(step)
                 if res is not None:
                     got.append(res)
@@ -92,6 +92,7 @@ def test_paced_groups_are_never_too_stale_and_none_is_discarded():
             due = [step - r.version >= cfg.max_steps_off_policy for r in got]
             assert due == sorted(due, reverse=True)
             trained += [(step, r) for r in got]
+            time.sleep(0.05)  # training: the rollouts go on meanwhile
             pool.publish(sampler, step + 1)
     finally:
         pool.stop()
@@ -104,8 +105,8 @@ def test_paced_groups_are_never_too_stale_and_none_is_discarded():
     assert pool.sampled_tokens == tokens + sum(
         len(r.trajectories[0].transitions[0].action) for r in pool._finished
     )
-    # at most one batch per policy version was started
-    assert max(pool._started.values()) <= cfg.batch_size
+    # the pipeline overlapped: groups of the next policy were sampled while one was trained
+    assert any(lag == 1 for lag in lags)
 
 
 def test_stop_cancels_the_rollouts_in_flight():

@@ -363,7 +363,8 @@ def _train_step(
     futures = []
     n_constant = n_datums = 0
     train_s = 0.0
-    while len(used) < config.batch_size:
+    paced = isinstance(pool, PacedPool)
+    while len(used) < config.batch_size or (paced and pool.has_due(step)):
         res = _next_group(pool, ledger, step, tell)
         if res is None:
             continue
@@ -379,7 +380,7 @@ def _train_step(
         n_datums += len(datums)
         pending += datums
         pending_groups += 1
-        last = len(used) == config.batch_size
+        last = len(used) >= config.batch_size and not (paced and pool.has_due(step))
         if pending and (pending_groups >= config.stream_groups or last):
             t = time.monotonic()
             futures.append(training_client.forward_backward(pending, loss_fn=config.loss_fn))

@@ -7,12 +7,13 @@ get trained lean towards short, easy problems, and the engine time of every disc
 is lost. Pacing (tinker-cookbook PR #822's rule) keeps every group and bounds staleness
 before sampling instead:
 
-- admission: at most `batch_size` groups start on one policy version, and no new group
-  starts while a group of an older version is still sampling and due (it must be trained at
-  the current step, `step - version >= max_steps_off_policy`): the engine's capacity goes to
-  the straggler rather than to new work;
+- admission: at most (k + 1) batches of groups are started and not yet trained (k =
+  `max_steps_off_policy`), and no new group starts while a group of an older version is
+  still sampling and due (it must be trained at the current step, `step - version >= k`):
+  the engine's capacity goes to the straggler rather than to new work;
 - order: the trainer takes the oldest finished group first (policy version, then data
-  order), and waits for a due group rather than step past it.
+  order), waits for a due group rather than step past it, and trains every due group in
+  the step (a step may then hold more than batch_size groups).
 
 So every group is trained at most `max_steps_off_policy` steps after the policy that sampled
 it, and none is discarded. Rollouts still in flight when the run ends are cancelled
@@ -111,9 +112,9 @@ class PacedPool:
         return step - item.version >= self.k
 
     def _may_start(self) -> bool:
-        """No more than one batch per policy version, and nothing new while an older
+        """At most k + 1 batches started and not trained, and nothing new while an older
         version's group is still sampling and due now."""
-        if self._started[self._version] >= self.batch:
+        if len(self._in_flight) + len(self._finished) >= (self.k + 1) * self.batch:
             return False
         return not any(
             it.version < self._version and self._due(it, self._version)
@@ -192,6 +193,12 @@ class PacedPool:
                 if left <= 0:
                     return None
                 self._cond.wait(left)
+
+    def has_due(self, step: int) -> bool:
+        """Whether a group that must be trained at `step` is still untrained."""
+        with self._cond:
+            groups = [*self._in_flight.values(), *(r.item for r in self._finished)]
+            return any(self._due(it, step) for it in groups)
 
     def stop(self, timeout: float = 120.0) -> None:
         """Stop the workers; cancel the rollouts still sampling (the server stops them)."""

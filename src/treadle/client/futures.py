@@ -18,8 +18,23 @@ U = TypeVar("U")
 class APIFuture(Generic[T]):
     """The eventual result of one call; wait with `.result(timeout)` or `await`."""
 
-    def __init__(self, future: concurrent.futures.Future[T] | None = None):
+    def __init__(
+        self,
+        future: concurrent.futures.Future[T] | None = None,
+        on_cancel: Callable[[], Any] | None = None,
+    ):
         self._future: concurrent.futures.Future[T] = future or concurrent.futures.Future()
+        self._on_cancel = on_cancel  # tells the server (a sample's cancel_future)
+
+    def cancel(self) -> bool:
+        """Stop the call: a sample's op leaves the server's queue, or its decode batch at
+        the next step (metered for what it sampled), and this future ends cancelled.
+        → False when it had already finished (nothing to stop)."""
+        if self._future.done():
+            return False
+        if self._on_cancel is not None:
+            self._on_cancel()
+        return self._future.cancel() or self._future.cancelled()
 
     @classmethod
     def completed(cls, value: T) -> APIFuture[T]:

@@ -113,17 +113,25 @@ class SamplingClient:
             record_stability_info=self.record_stability_info or None,
         ).model_dump(mode="json", exclude_none=True)
         body["seq_id"] = self._next_seq_id()
-        return APIFuture(self._transport.submit(self._sample(body)))
+        rids: list[str] = []  # the server's request ids, once filed: what cancel names
+        future = self._transport.submit(self._sample(body, rids))
+        return APIFuture(future, on_cancel=lambda: self._cancel(rids))
 
-    async def _sample(self, body: dict) -> SampleResponse:
+    def _cancel(self, rids: list[str]) -> None:
+        t = self._transport
+        for rid in rids:  # fire and forget: the future ends cancelled at once
+            t.submit(t.post("/api/v1/cancel_future", {"request_id": rid}))
+
+    async def _sample(self, body: dict, rids: list[str]) -> SampleResponse:
         async with self._transport.sample_slots:
-            return await self._sample_once(body)
+            return await self._sample_once(body, rids)
 
-    async def _sample_once(self, body: dict) -> SampleResponse:
+    async def _sample_once(self, body: dict, rids: list[str]) -> SampleResponse:
         for attempt in range(MAX_RESUBMITS + 1):
             reply = await self._transport.post(
                 "/api/v1/asample", body, headers={"X-Tinker-Sampling-Backpressure": "1"}
             )
+            rids.append(str(reply["request_id"]))
             try:
                 raw = await self._transport.wait_result(str(reply["request_id"]), "Sample")
             except GoneError:

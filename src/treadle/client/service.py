@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from treadle.client import excepthook, hints
+from treadle.client.capture import CaptureSession, create_capture_session
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.errors import APIError, NotFoundError
 from treadle.client.estimate import CostEstimate, RunPlan, price
@@ -179,6 +180,12 @@ class ServiceClient:
     def get_tokenizer(self, base_model: str) -> Any:
         """The base model's tokenizer, fetched from the server (never from a hub)."""
         return load_tokenizer(self.transport, base_model)
+
+    def create_capture_session(self, capture_id: str | None = None) -> CaptureSession:
+        """A capture session (treadle.client.capture): completions served with its headers
+        on /v1 or /v1/messages are recorded token-exactly, for rewards and datums.
+        `capture_id`: a name of your own (an existing capture of that name is reused)."""
+        return create_capture_session(self.transport, capture_id)
 
     def get_usage(self, since: str | None = None, by: str | None = None) -> dict[str, Any]:
         """This key's tenant's metered tokens (prefill / sample / train) and their cost:

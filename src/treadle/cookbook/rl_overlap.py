@@ -4,11 +4,18 @@
     trainer ── takes results as they complete ── staleness check ── forward_backward per
                sub-batch (streamed) ── one optim_step per step ── publishes the new policy
 
-A group sampled by policy version v and consumed at step s is `s - v` steps old. At most
-`max_steps_off_policy` (k) is used; an older one is requeued (sampled again with the newest
-policy) or dropped (`stale_policy`). Work for data step d is released once the trainer is at
-step d - k, so k = 0 is the synchronous loop (the baseline of bench/code_rl.py). The loss
-defaults to `cispo`, whose clipped importance weights correct for the policy lag.
+A group sampled by policy version v and consumed at step s is `s - v` steps old; at most
+`max_steps_off_policy` (k). `stale_policy` says how that bound is kept:
+- `pace` (the default; rl_pacing.py): admission control. At most one batch of groups starts
+  per policy version, no new group starts while an older, due group is still sampling, and
+  the trainer takes the oldest finished group first, waiting for a due one: no group is
+  ever too stale, none is thrown away, and rollouts left when the run ends are cancelled.
+- `requeue` / `drop` (the earlier rule): work for data step d is released once the trainer
+  is at step d - k, and a group that comes back older than k is sampled again with the
+  newest policy, or dropped. Slow (long) rollouts miss their window most, so the trained
+  data leans towards short answers, and the discarded groups' sampling is lost.
+k = 0 is the synchronous loop (the baseline of bench/code_rl.py). The loss defaults to
+`cispo`, whose clipped importance weights correct for the policy lag.
 
 Loss scaling: a group's datums carry advantage / (its action tokens * groups per step), so
 the step's summed loss is the mean over groups of each group's per-token mean, whatever order
@@ -39,6 +46,7 @@ from treadle.cookbook.rl import (
     sampling_and_adam,
     trajectory_to_datum,
 )
+from treadle.cookbook.rl_pacing import PacedPool
 from treadle.cookbook.rl_types import EnvGroupBuilder, RLDataset, Trajectory
 from treadle.cookbook.run_dir import RunDir, step_bar
 from treadle.errors import InvalidRequestError
@@ -49,7 +57,7 @@ class OverlapConfig(RLConfig):
     loss_fn: str = "cispo"
     batch_size: int = 4  # groups per step
     max_steps_off_policy: int = 1
-    stale_policy: str = "requeue"  # requeue | drop
+    stale_policy: str = "pace"  # pace | requeue | drop
     rollout_workers: int = 4  # groups sampled and graded at once
     grade_workers: int = 8  # answers graded at once
     stream_groups: int = 1  # forward_backward as soon as this many groups are ready
@@ -64,16 +72,16 @@ class GroupLedger:
     keeps the counts of the current step (and the staleness histogram of the used ones)."""
 
     max_steps_off_policy: int
-    stale_policy: str = "requeue"
+    stale_policy: str = "pace"
     used: int = 0
     requeued: int = 0
     dropped: int = 0
     staleness: collections.Counter = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
-        if self.stale_policy not in ("requeue", "drop"):
+        if self.stale_policy not in ("pace", "requeue", "drop"):
             raise InvalidRequestError(
-                f"stale_policy must be 'requeue' or 'drop', got {self.stale_policy!r}"
+                f"stale_policy must be 'pace', 'requeue' or 'drop', got {self.stale_policy!r}"
             )
         if self.max_steps_off_policy < 0:
             raise InvalidRequestError(
@@ -82,7 +90,7 @@ class GroupLedger:
 
     def decide(self, sampled_version: int, step: int) -> str:
         lag = step - sampled_version
-        if lag <= self.max_steps_off_policy:
+        if lag <= self.max_steps_off_policy or self.stale_policy == "pace":
             self.used += 1
             self.staleness[lag] += 1
             return "use"
@@ -138,6 +146,7 @@ class RolloutPool:
         self._work: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
         self._in_flight = 0
+        self.sampled_tokens = 0  # every finished group's, trained or not
         self._next_data_step = 0
         self._stop = False
         self._client: Any = None
@@ -200,6 +209,8 @@ class RolloutPool:
                 )
                 wall = time.monotonic() - start
                 grade_s = _group_grade_s(groups[0])
+                with self._cond:
+                    self.sampled_tokens += _tokens(groups[0])
                 self.results.put(GroupResult(item, version, groups[0], wall - grade_s, grade_s))
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which raises it
                 self.results.put(exc)
@@ -216,6 +227,10 @@ class RolloutPool:
             if t.is_alive():
                 t.join(max(deadline - time.monotonic(), 0.0))
         self.grade_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokens(trajectories: list[Trajectory]) -> int:
+    return sum(len(tr.action) for t in trajectories for tr in t.transitions)
 
 
 def _group_grade_s(trajectories: list[Trajectory]) -> float:
@@ -255,14 +270,20 @@ def train_rl_overlapped(
     make_dataset: Callable[[Any], RLDataset],
     service=None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_group: Callable[[dict[str, float]], None] | None = None,
 ) -> RunDir:
-    """Run (or resume) the overlapped loop; same contract as rl.train_rl."""
+    """Run (or resume) the overlapped loop; same contract as rl.train_rl. `on_group` hears
+    of every finished group: trained (0/1), tokens, reward, lag, step."""
     ledger = GroupLedger(config.max_steps_off_policy, config.stale_policy)
     run, training_client, start_step, dataset = open_rl_run(config, make_dataset, service)
     params, adam = sampling_and_adam(config)
     sampling_client = training_client.save_weights_and_get_sampling_client()
+    paced = config.stale_policy == "pace"
     pool = RolloutPool(dataset, config, params)
+    if paced:
+        pool = PacedPool(dataset, config, params, pool.grade_pool)
     pool.start(sampling_client, start_step, start_step)
+    tell = on_group or (lambda _: None)
     try:
         bar = step_bar("code-rl", start_step, config.max_steps)
         for step in bar:
@@ -271,8 +292,10 @@ def train_rl_overlapped(
                 metrics |= evaluate(
                     sampling_client, dataset.test_groups(), config, config.seed, pool.grade_pool
                 )
-            pool.release_upto(step + config.max_steps_off_policy)
-            metrics |= _train_step(step, config, pool, ledger, training_client, adam)
+            if not paced:
+                pool.release_upto(step + config.max_steps_off_policy)
+            metrics |= _train_step(step, config, pool, ledger, training_client, adam, tell)
+            metrics["train/sampled_tokens_total"] = float(pool.sampled_tokens)
             sampling_client = training_client.save_weights_and_get_sampling_client()
             pool.publish(sampling_client, step + 1)
             record_step(run, training_client, config, step, metrics, on_step)
@@ -286,12 +309,52 @@ def train_rl_overlapped(
                 on_step(config.max_steps, final)
     finally:
         pool.stop()
+        pool.grade_pool.shutdown(wait=False, cancel_futures=True)
     run.close()
     return run
 
 
+def _next_group(pool, ledger: GroupLedger, step: int, tell) -> GroupResult | None:
+    """The next group the trainer uses at `step` (None: none yet; ask again)."""
+    if isinstance(pool, PacedPool):
+        res = pool.next_for(step)
+        if res is not None:
+            ledger.decide(res.version, step)
+        return res
+    pool.ensure_work()
+    try:
+        res = pool.results.get(timeout=0.1)
+    except queue.Empty:
+        return None
+    if isinstance(res, BaseException):
+        raise res
+    decision = ledger.decide(res.version, step)
+    if decision == "use":
+        return res
+    tell(_group_info(res, step, trained=False))
+    if decision == "requeue":
+        pool.requeue(res.item)
+    return None
+
+
+def _group_info(res, step: int, trained: bool) -> dict[str, float]:
+    return {
+        "trained": float(trained),
+        "tokens": float(_tokens(res.trajectories)),
+        "reward": float(np.mean([t.total_reward for t in res.trajectories])),
+        "lag": float(step - res.version),
+        "step": float(step),
+    }
+
+
 def _train_step(
-    step: int, config: OverlapConfig, pool: RolloutPool, ledger: GroupLedger, training_client, adam
+    step: int,
+    config: OverlapConfig,
+    pool,
+    ledger: GroupLedger,
+    training_client,
+    adam,
+    tell: Callable[[dict[str, float]], None],
 ) -> dict[str, float]:
     start = time.monotonic()
     used: list[GroupResult] = []
@@ -300,20 +363,12 @@ def _train_step(
     futures = []
     n_constant = n_datums = 0
     train_s = 0.0
-    while len(used) < config.batch_size:
-        pool.ensure_work()
-        try:
-            res = pool.results.get(timeout=0.1)
-        except queue.Empty:
+    paced = isinstance(pool, PacedPool)
+    while len(used) < config.batch_size or (paced and pool.has_due(step)):
+        res = _next_group(pool, ledger, step, tell)
+        if res is None:
             continue
-        if isinstance(res, BaseException):
-            raise res
-        decision = ledger.decide(res.version, step)
-        if decision == "requeue":
-            pool.requeue(res.item)
-            continue
-        if decision == "drop":
-            continue
+        tell(_group_info(res, step, trained=True))
         used.append(res)
         datums = group_datums(
             res.trajectories,
@@ -325,7 +380,7 @@ def _train_step(
         n_datums += len(datums)
         pending += datums
         pending_groups += 1
-        last = len(used) == config.batch_size
+        last = len(used) >= config.batch_size and not (paced and pool.has_due(step))
         if pending and (pending_groups >= config.stream_groups or last):
             t = time.monotonic()
             futures.append(training_client.forward_backward(pending, loss_fn=config.loss_fn))

@@ -28,6 +28,8 @@ from treadle.errors import TreadleError
 from treadle.protocol import tracing
 from treadle.server.api import errors as api_errors
 from treadle.server.api import metrics as metrics_route
+from treadle.server.api.anthropic import routes as anthropic_routes
+from treadle.server.api.capture import routes as capture_routes
 from treadle.server.api.middleware import KeyIdMiddleware, TenantMiddleware
 from treadle.server.api.openai import routes as openai_routes
 from treadle.server.api.openai.serving import OpenAIServing
@@ -176,6 +178,8 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
     for module in (search, copies, account):  # the rest of the SDK's surface
         app.include_router(module.router)
     app.include_router(openai_routes.router)  # /v1: OpenAI-compatible completions
+    app.include_router(anthropic_routes.router)  # /v1/messages: Anthropic's Messages API
+    app.include_router(capture_routes.router)  # capture sessions (the SDK's side)
     app.include_router(metrics_router)  # the loop's own metrics (log_metrics), console or not
     app.include_router(metrics_route.router)  # GET /metrics: Prometheus (operators)
     # TreadleError goes through the routing layer's handler (the response is the answer);

@@ -220,3 +220,25 @@ def test_samplers_poll_together_and_copies_join_their_session(server, alice):
     assert bob.post("retrieve_futures", {"target": target, "timeout": 0}).status_code == 404
     assert bob.post("join_sampling_session", {"sampling_session_id": sid}).status_code == 404
     bob.close()
+
+
+def test_the_treadle_sdk_cancels_a_sample(server):
+    import concurrent.futures
+
+    from treadle import SamplingParams, ServiceClient
+
+    with ServiceClient(base_url=server.url, api_key=server.keys["alice"]) as svc:
+        sc = svc.create_sampling_client(base_model=TINY)
+        future = sc.sample([5, 6, 7], 1, SamplingParams(max_tokens=LONG, stop=[]))
+        api = Api(server.url, server.keys["alice"])
+        wait_for(lambda: decode_batch(api) == 1, "the generation to start")
+        assert future.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(WAIT)
+        wait_for(lambda: decode_batch(api) == 0, "the generation to stop")
+        status, error, sampled = last_sample(server)
+        assert status == "failed" and "cancelled" in error and sampled < LONG
+        done = sc.sample([5, 6, 7], 1, SamplingParams(max_tokens=2, stop=[]))
+        done.result(WAIT)
+        assert not done.cancel()  # finished: nothing to stop
+        api.close()

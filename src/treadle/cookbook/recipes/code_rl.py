@@ -13,8 +13,8 @@ runs solutions without it, as plain processes that can read whatever the trainer
 
 Reward 1 when every test passes, 0 otherwise, `format_penalty` without a code block.
 `--two_turn true` lets the model call `check_solution` once before its graded answer.
-Groups sampled by a policy at most `max_steps_off_policy` steps old are trained on; older ones
-are requeued or dropped (`stale_policy`). The server is TREADLE_BASE_URL (or `--base_url`).
+Groups are trained at most `max_steps_off_policy` steps after the policy that sampled them:
+paced by admission control (`stale_policy` pace), or older ones requeued or dropped. The server is TREADLE_BASE_URL (or `--base_url`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Config:
     temperature: float = 1.0
     loss_fn: str = "cispo"
     max_steps_off_policy: int = 1
-    stale_policy: str = "requeue"  # requeue | drop
+    stale_policy: str = "pace"  # pace | requeue | drop (rl_overlap.py)
     rollout_workers: int = 4
     stream_groups: int = 1
     normalize_std: bool = True

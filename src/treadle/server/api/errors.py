@@ -1,6 +1,7 @@
 """The one place errors become HTTP: every error class carries its own status and category
 (treadle.errors), and every response is a JSON body naming the problem, in our shape, or
-in OpenAI's on its /v1 paths so that its clients parse it."""
+in OpenAI's on its /v1 paths and Anthropic's on /v1/messages, so that their clients parse
+it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle.errors import TreadleError
+from treadle.server.api.anthropic import errors as anthropic_errors
 from treadle.server.api.openai import errors as openai_errors
 
 log = logging.getLogger("treadle.server")
@@ -32,6 +34,8 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def error_response(request: Request, message: str, category: str, status: int) -> JSONResponse:
+    if anthropic_errors.is_anthropic_path(request.url.path):
+        return anthropic_errors.error_response(message, status)
     if openai_errors.is_openai_path(request.url.path):
         return openai_errors.error_response(message, status)
     return JSONResponse({"error": message, "category": category}, status_code=status)
@@ -52,6 +56,8 @@ async def handle_validation_error(request: Request, exc: RequestValidationError)
     for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         problems.append(f"{loc or 'body'}: {err.get('msg')}")
+    if anthropic_errors.is_anthropic_path(request.url.path):
+        return anthropic_errors.error_response("invalid request: " + "; ".join(problems), 400)
     if openai_errors.is_openai_path(request.url.path):
         return openai_errors.validation_error_response(exc.errors(), problems)
     return JSONResponse(

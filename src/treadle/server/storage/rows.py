@@ -367,3 +367,50 @@ class AdminKeyRow(Base):
     __tablename__ = "admin_keys"
     key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CaptureRow(Base):
+    """A capture session (treadle.server.core.captures): completions served under it are
+    recorded token-exactly. Named by its tenant: (tenant_id, capture_id) is the key, so two
+    tenants may use the same name and never see each other's."""
+
+    __tablename__ = "captures"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    capture_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CapturedCompletionRow(Base):
+    """One completion served under a capture session: its rendered prompt, its sampled tokens
+    and their logprobs (little-endian int32 / float32 bytes), the weights that sampled it,
+    and the provenance sequence_id when the weights were a training session's."""
+
+    __tablename__ = "captured_completions"
+    __table_args__ = (Index("ix_captured_completions_capture", "tenant_id", "capture_id"),)
+    completion_id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    capture_id: Mapped[str] = mapped_column(String(128))
+    trajectory_id: Mapped[str] = mapped_column(String(128))
+    model: Mapped[str] = mapped_column(String(512))  # the request's `model`
+    base_model: Mapped[str] = mapped_column(String(256))
+    sampler_version: Mapped[str] = mapped_column(String(512))
+    session_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sequence_id: Mapped[str | None] = mapped_column(String(96), nullable=True)
+    prompt: Mapped[bytes] = mapped_column(LargeBinary)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CaptureRewardRow(Base):
+    """The reward a tenant attached to one trajectory of a capture session, and the group
+    (GRPO's: the rollouts of one problem) its advantage is taken within."""
+
+    __tablename__ = "capture_rewards"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    capture_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    trajectory_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    reward: Mapped[float] = mapped_column(Float)
+    group_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -3,6 +3,9 @@
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="tml-...")
     client.chat.completions.create(model="<model_id of a training session>", messages=[...])
 
+With `X-Treadle-Capture` the completion is recorded (treadle.server.core.captures): it is
+sampled whole, and a stream replays it.
+
 Errors on these paths come in OpenAI's shape (treadle.server.api.openai.errors, applied by the
 app's error handler).
 """
@@ -14,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from treadle.server.api.capture.serving import CaptureDep, run_captured
 from treadle.server.api.deps import KeyDep, TenantDep
 from treadle.server.api.openai.completions import (
     chat_response,
@@ -52,12 +56,19 @@ async def model(model: str, serving: ServingDep, tenant: TenantDep) -> dict:
 
 @router.post("/chat/completions")
 async def chat_completions(
-    body: ChatCompletionRequest, serving: ServingDep, tenant: TenantDep, key: KeyDep
+    body: ChatCompletionRequest,
+    serving: ServingDep,
+    tenant: TenantDep,
+    key: KeyDep,
+    capture: CaptureDep,
 ) -> Response:
     prep = await prepare_chat(serving, tenant, body, key)
-    if body.stream and streams_live(prep, chat=True):
+    if capture is not None:
+        result = await run_captured(serving.state, serving.captures, tenant, prep, capture)
+    elif body.stream and streams_live(prep, chat=True):
         return await live_response(serving.state, tenant, prep, chat=True)
-    result = await run(serving, tenant, prep)
+    else:
+        result = await run(serving, tenant, prep)
     if body.stream:
         return streaming_response(chat_chunks(result))
     return JSONResponse(chat_response(result))
@@ -65,12 +76,19 @@ async def chat_completions(
 
 @router.post("/completions")
 async def completions(
-    body: CompletionRequest, serving: ServingDep, tenant: TenantDep, key: KeyDep
+    body: CompletionRequest,
+    serving: ServingDep,
+    tenant: TenantDep,
+    key: KeyDep,
+    capture: CaptureDep,
 ) -> Response:
     prep = await prepare_completion(serving, tenant, body, key)
-    if body.stream and streams_live(prep, chat=False):
+    if capture is not None:
+        result = await run_captured(serving.state, serving.captures, tenant, prep, capture)
+    elif body.stream and streams_live(prep, chat=False):
         return await live_response(serving.state, tenant, prep, chat=False)
-    result = await run(serving, tenant, prep)
+    else:
+        result = await run(serving, tenant, prep)
     if body.stream:
         return streaming_response(completion_chunks(result))
     return JSONResponse(completion_response(result))

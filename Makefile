@@ -38,16 +38,19 @@ demo: venv
 	$(VENV)/bin/treadle demo
 
 # The whole suite, as CI runs it (the real-model tests too only with -m slow), after the
-# layering contracts; the 25 slowest tests are listed at the end.
+# layering contracts; the 25 slowest tests are listed at the end. Test files run on 3
+# processes at once (pytest-xdist): most of the suite's time is servers starting and workers
+# restarting, which overlap well even on 2 cores. TEST_PROCS=0 runs it in one process.
+TEST_PROCS ?= 3
 test: venv sysdeps
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=25
 
 # Everything that starts no process: no server, no kill, no torchrun, no database server,
 # no browser, no compat venv.
 test-fast: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not (e2e or chaos or dist or pg or browser or compat or slow)"
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not (e2e or chaos or dist or pg or browser or compat or slow)"
 
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
 compat: venv

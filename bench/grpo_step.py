@@ -337,12 +337,16 @@ class HandLoop:
 
     def checks(self, rounds: int) -> dict[str, float]:
         """Median seconds of the baseline's CE and PPO calls against independent plain ones,
-        alternated (the model is left as it was: gradients dropped after)."""
+        alternated (the model is left as it was: gradients dropped after), and how far the
+        sampled tokens' logprobs from `generate` are from the trainer's (PPO's old
+        logprobs must be the policy's own)."""
         w = self.work
         P = w.prompts_G_P.shape[1]
         prompts = torch.as_tensor(np.repeat(w.prompts_G_P, w.samples, axis=0))
         seqs, new_lp = baseline.sample(self.model, prompts, w.new_tokens)
         ppo = self._ppo_inputs(seqs, new_lp, P)
+        with torch.no_grad():
+            trainer_lp = baseline.token_logprobs(self.model, ppo[0], ppo[1])[:, P - 1 :]
         ce = self.ce_tokens
         fns = {
             "ce": lambda: baseline.ce_forward_backward(self.model, ce[:, :-1], ce[:, 1:]),
@@ -354,7 +358,13 @@ class HandLoop:
         }
         times = alternate(fns, rounds)
         self.opt.zero_grad(set_to_none=True)
-        return times
+        return {
+            "hand_ce_s": times["ce"],
+            "ce_plain_s": times["ce_plain"],
+            "hand_ppo_s": times["ppo"],
+            "ppo_plain_s": times["ppo_plain"],
+            "sample_logprobs_max_diff": float((trainer_lp - new_lp).abs().max()),
+        }
 
 
 def alternate(fns: dict, rounds: int) -> dict[str, float]:
@@ -431,7 +441,8 @@ def report(loops: dict[str, Phases], checks: dict[str, float]) -> dict:
         ]
         cells = " ".join(f"{v:9.4f}" for v in wall.values())
         print(f"{name:12s} {cells}   {shown[0]:>19s}   {shown[1]:>23s}")
-    out |= {f"check_{k}": round(v, 4) for k, v in checks.items()}
+    out |= {f"check_{k}": round(v, 4) for k, v in checks.items() if k.endswith("_s")}
+    out["baseline_sample_logprobs_max_diff"] = checks["sample_logprobs_max_diff"]
     out["baseline_ce_vs_plain"] = round(checks["hand_ce_s"] / checks["ce_plain_s"], 3)
     out["baseline_ppo_vs_plain"] = round(checks["hand_ppo_s"] / checks["ppo_plain_s"], 3)
     out["baseline_ce_in_rounds_vs_alone"] = round(hand.median("ce") / checks["hand_ce_s"], 3)
@@ -440,7 +451,8 @@ def report(loops: dict[str, Phases], checks: dict[str, float]) -> dict:
         f"{checks['hand_ce_s']:.4f} s vs transformers' labels= loss {checks['ce_plain_s']:.4f} s"
         f" ({out['baseline_ce_vs_plain']:.3f}); PPO {checks['hand_ppo_s']:.4f} s vs "
         f"log_softmax + gather {checks['ppo_plain_s']:.4f} s ({out['baseline_ppo_vs_plain']:.3f});"
-        f" its CE in the rounds / alone {out['baseline_ce_in_rounds_vs_alone']:.3f}"
+        f" its CE in the rounds / alone {out['baseline_ce_in_rounds_vs_alone']:.3f}; its "
+        f"sampled logprobs vs the trainer's: max |diff| {checks['sample_logprobs_max_diff']:.1e}"
     )
     print(
         "goals: ce, ppo <= 1.05; grpo_step <= 0.85 (ratio = service / hand-written time; the "
@@ -457,7 +469,7 @@ def main() -> None:
         default=6,
         help="steps of each loop after a warm-up (6: each order once)",
     )
-    ap.add_argument("--checks", type=int, default=5, help="rounds of the baseline's checks")
+    ap.add_argument("--checks", type=int, default=8, help="rounds of the baseline's checks")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -479,10 +491,7 @@ def main() -> None:
         model_dir = build_model(Path(tmp) / "model")
         hand = HandProcess(model_dir, args)
         # before the server starts: the baseline alone, against independent plain loops
-        checks = {
-            (f"{k}_s" if k.endswith("plain") else f"hand_{k}_s"): v
-            for k, v in hand.checks(args.checks).items()
-        }
+        checks = hand.checks(args.checks)
         config = {"engine_processes": not args.engine_in_api}
         with ServerProcess({NAME: model_dir}, Path(tmp) / "data", config=config) as server:
             svc = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)

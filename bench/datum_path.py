@@ -55,8 +55,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 import treadle  # noqa: E402
 from treadle.client.chunks import split_chunks  # noqa: E402
 from treadle.launch import ServerProcess  # noqa: E402
+from treadle.protocol.facts import EngineFacts  # noqa: E402
 from treadle.server.core import validation  # noqa: E402
-from treadle.server.runtime.engine_client import EngineFacts  # noqa: E402
 from treadle.wire import codec  # noqa: E402
 
 SDKS = ("tinker", "treadle")

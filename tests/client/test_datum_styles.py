@@ -17,9 +17,10 @@ from tinker import types as T  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
 import treadle  # noqa: E402
+from treadle.protocol.facts import EngineFacts  # noqa: E402
 from treadle.server.core import validation  # noqa: E402
-from treadle.server.runtime.engine_client import EngineFacts  # noqa: E402
 from treadle.wire import codec  # noqa: E402
+from treadle.wire import tinker_pb2 as pb  # noqa: E402
 
 TINY = "treadle/tiny-llama"  # the name tests/conftest.py serves the tiny model under
 API_KEY = "tml-test"
@@ -35,8 +36,9 @@ def lists_of(loss_fn: str) -> list[tuple[list[int], dict]]:
     out = []
     for row, lp, adv in zip(ROWS_B_T.tolist(), LOGPROBS_B_T.tolist(), ADVANTAGES_B, strict=True):
         n = len(row) - 1
-        if loss_fn == "cross_entropy":
-            inputs = {"target_tokens": row[1:], "weights": [1.0] * (n - 2) + [0.0, 1]}
+        if loss_fn == "cross_entropy":  # int weights, as a user may write them: both SDKs
+            # type a list by its key (float32 here), not by its items
+            inputs = {"target_tokens": row[1:], "weights": [1] * (n - 2) + [0, 1]}
         else:
             inputs = {"target_tokens": row[1:], "logprobs": lp, "advantages": [float(adv)] * n}
         out.append((row[:-1], inputs))
@@ -86,6 +88,51 @@ def test_lists_and_arrays_encode_to_the_same_bytes_in_both_sdks(loss_fn):
     }
     reference = bodies[("tinker", "arrays")]
     assert {k: v == reference for k, v in bodies.items()} == {k: True for k in bodies}
+
+
+def expected_inputs(loss_fn: str) -> list[dict[str, np.ndarray]]:
+    """Each row's loss inputs as the wire must carry them, from the numbers themselves:
+    target_tokens int64, every other key float32."""
+    out = []
+    for row, lp, adv in zip(ROWS_B_T, LOGPROBS_B_T, ADVANTAGES_B, strict=True):
+        n = len(row) - 1
+        if loss_fn == "cross_entropy":
+            w = np.ones(n, np.float32)
+            w[-2] = 0.0
+            out.append({"target_tokens": row[1:].astype(np.int64), "weights": w})
+        else:
+            advantages = np.full(n, adv, np.float32)
+            out.append(
+                {
+                    "target_tokens": row[1:].astype(np.int64),
+                    "logprobs": lp,
+                    "advantages": advantages,
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize("sdk", ["tinker", "treadle"])
+@pytest.mark.parametrize("style", ["lists", "arrays"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_each_body_carries_the_numbers_in_the_wire_dtypes(sdk, style, loss_fn):
+    """Read with the bare protobuf classes, not our codec: a change every SDK and style
+    made alike (a float64 tensor, an int64 weight, tokens not int32) fails here too."""
+    make = lists_of if style == "lists" else arrays_of
+    msg = pb.ForwardBackwardRequest.FromString(body(sdk, datums(sdk, make(loss_fn)), loss_fn))
+    assert (msg.model_id, msg.seq_id, msg.loss_fn, msg.forward_only) == ("m", 1, loss_fn, False)
+    assert len(msg.data) == len(ROWS_B_T)
+    wire = {np.dtype(np.int64): pb.DTYPE_INT64, np.dtype(np.float32): pb.DTYPE_FLOAT32}
+    for datum, row, want in zip(msg.data, ROWS_B_T, expected_inputs(loss_fn), strict=True):
+        assert [c.WhichOneof("chunk") for c in datum.model_input] == ["encoded_text"]
+        assert datum.model_input[0].encoded_text.tokens == row[:-1].astype("<i4").tobytes()
+        assert set(datum.loss_fn_inputs) == set(want)
+        for key, array in want.items():
+            tensor = datum.loss_fn_inputs[key]
+            assert tensor.WhichOneof("encoding") == "dense", key
+            assert tensor.dtype == wire[array.dtype], key
+            assert list(tensor.shape) == [len(array)], key
+            assert tensor.dense == array.astype(array.dtype.newbyteorder("<")).tobytes(), key
 
 
 @pytest.mark.parametrize("sdk", ["tinker", "treadle"])

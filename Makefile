@@ -72,6 +72,8 @@ proto: venv
 bench: venv
 	$(PY) bench/engine.py
 	$(PY) bench/service.py
+	$(PY) bench/grpo_step.py
+	$(PY) bench/datum_path.py
 
 clean:
 	rm -rf $(VENV) .venv-compat treadle-data .pytest_cache

@@ -13,7 +13,10 @@ its layers save, and what does a snapshot cost?
                                       # peft's target_parameters for them in the baseline
 
 Every figure is a ratio measured in this run (the machine is noisy): runs alternate between
-the engine and its baseline and the medians are compared. Stdout ends with one JSON line.
+the engine and its baseline and the medians are compared. The baseline is bench/baseline.py
+(peft on the engine's default targets, unembedding included; one fused cross entropy; the
+service's AdamW settings), itself checked against transformers' own `labels=` loss.
+Stdout ends with one JSON line.
 Sampling figures come from bench/engine_sampling.py's run() when that file exists.
 """
 
@@ -30,9 +33,9 @@ import time
 import warnings
 from pathlib import Path
 
+import baseline
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from treadle.engine import Engine
 from treadle.engine.models import load_base_model, smollm2_gguf
@@ -51,30 +54,15 @@ def sft_data(vocab: int, n: int, T: int, seed: int) -> list[TrainDatum]:
 
 
 def peft_baseline(engine: Engine, rank: int, alpha: float):
-    """The yardstick: plain transformers + peft, the loop a user would write by hand, on the
-    base loaded as the engine loads it (a folder, or a GGUF file dequantised), with LoRA on
-    the layers the engine's adapters target: every nn.Linear by its name, and a MoE model's
-    fused expert weights through target_parameters (transformers' default experts kernel)."""
-    from peft import LoraConfig, get_peft_model
-
+    """The yardstick (bench/baseline.py): plain transformers + peft on the base loaded as the
+    engine loads it (a folder, or a GGUF file dequantised), with LoRA on the layers the
+    engine's adapters target: every nn.Linear by its name, and a MoE model's fused expert
+    weights through target_parameters (transformers' default experts kernel)."""
     bank = engine.bank
     modules = sorted({p.rsplit(".", 1)[-1] for p in bank.targets if p not in bank.experts})
     params = sorted({".".join(p.split(".")[-3:]) for p in bank.experts}) or None
     base = load_base_model(engine.model_dir).model
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=modules, target_parameters=params,
-        lora_dropout=0.0,
-    )  # fmt: skip
-    return get_peft_model(base, config)
-
-
-def peft_forward_backward(model, ids: torch.Tensor, targets: torch.Tensor, w: torch.Tensor):
-    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-    B, T, V = logits.shape
-    lp = -F.cross_entropy(logits.float().view(B * T, V), targets.view(B * T), reduction="none")
-    loss = -(lp.view(B, T) * w).sum()
-    loss.backward()
-    return loss.item()
+    return baseline.lora_model(base, rank, alpha, targets=modules, target_parameters=params)
 
 
 def timed(fn) -> float:
@@ -102,20 +90,24 @@ def bench_vs_peft(engine: Engine, B: int, T: int, rank: int, repeats: int):
     peft_model = peft_baseline(engine, rank, alpha)
     ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
     targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))  # (B, T)
-    w = torch.as_tensor(np.stack([d.loss_inputs["weights"] for d in data]))  # (B, T)
+    tokens = torch.cat([ids, targets[:, -1:]], dim=1)  # (B, T+1): the rows whole
 
     def ours():
         engine.forward_backward(batch)
 
-    def theirs():
-        peft_forward_backward(peft_model, ids, targets, w)
+    def theirs():  # the weights are all 1: a plain loop leaves them out
+        baseline.ce_forward_backward(peft_model, ids, targets)
 
-    t_ours, t_peft = alternate(ours, theirs, repeats=repeats)
+    def plain():  # an independent check of the baseline: transformers' own labels= loss
+        baseline.plain_ce_forward_backward(peft_model, tokens)
+
+    t_ours, t_peft, t_plain = alternate(ours, theirs, plain, repeats=repeats)
     engine.drop_adapter("speed")
     return {
         "fb_tokens_per_s": B * T / t_ours,
         "peft_fb_tokens_per_s": B * T / t_peft,
         "fb_vs_peft": t_peft / t_ours,
+        "peft_vs_plain_labels_loss": t_plain / t_peft,
     }
 
 
@@ -158,10 +150,9 @@ def bench_high_rank(B: int, T: int, rank: int, repeats: int) -> dict:
         data = sft_data(engine.vocab_size, B, T, seed=3)
         batch = [TrainBatch("hr", data)]
         peft_model = peft_baseline(engine, rank, float(rank))
-        peft_opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad])
+        peft_opt = baseline.adamw(peft_model, lr=1e-4)
         ids = torch.as_tensor(np.stack([d.tokens for d in data]))  # (B, T)
         targets = torch.as_tensor(np.stack([d.loss_inputs["target_tokens"] for d in data]))
-        w = torch.as_tensor(np.stack([d.loss_inputs["weights"] for d in data]))  # (B, T)
 
         def step(merge: bool):
             engine.bank.merge_when_cheaper = merge
@@ -169,7 +160,7 @@ def bench_high_rank(B: int, T: int, rank: int, repeats: int) -> dict:
             engine.optim_step("hr", AdamSpec(learning_rate=1e-4))
 
         def peft_step():
-            peft_forward_backward(peft_model, ids, targets, w)
+            baseline.ce_forward_backward(peft_model, ids, targets)
             peft_opt.step()
             peft_opt.zero_grad(set_to_none=True)
 
@@ -304,7 +295,8 @@ def main() -> None:
         print(
             f"forward_backward: engine {result['fb_tokens_per_s']:.0f} tok/s, plain peft "
             f"{result['peft_fb_tokens_per_s']:.0f} tok/s, ratio {result['fb_vs_peft']:.3f} "
-            "(goal >= 0.95)"
+            "(goal >= 0.95); the baseline against transformers' labels= loss "
+            f"{result['peft_vs_plain_labels_loss']:.3f} (>= 1: the baseline is the faster)"
         )
         result |= bench_mixed(engine, 8, T, args.rank, repeats)
         print(

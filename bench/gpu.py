@@ -7,7 +7,9 @@ Llama of realistic size built on the spot (no weights need fetching), in bfloat1
 
 Questions, each a ratio measured in this run (the two sides alternate, medians compared):
 - forward_backward tokens/s, the engine (LoRA rank 16 on every linear layer) against
-  plain torch + peft on the same base (batch --fb-batch x --fb-len, cross-entropy);
+  plain torch + peft on the same base (bench/baseline.py: the same targets, unembedding
+  included, one fused cross entropy over the fp32 logits as the engine's loss; batch
+  --fb-batch x --fb-len);
 - sampling tokens/s against `model.generate` at batch 1 / 32 / 256 (base weights, T=1,
   --new-tokens tokens after a --prompt-len prompt, no early stop);
 - one batch mixing 8 and 64 adapters against the same rows on one adapter, for
@@ -25,15 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import baseline
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from treadle.engine import Engine
 from treadle.engine.tiny import make_tiny_model
 from treadle.engine.types import LoraSpec, SampleRequest, SampleSpec, TrainBatch, TrainDatum
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 # hidden, layers, heads, kv heads, intermediate, vocab
 SIZES = {
     "check": (64, 2, 4, 2, 128, 1024),
@@ -104,7 +105,6 @@ def datums(rows: np.ndarray) -> list[TrainDatum]:
 
 
 def bench_fb(engine: Engine, model_dir: Path, args, device: str) -> dict:
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     B, T, rank = args.fb_batch, args.fb_len, args.rank
@@ -112,17 +112,12 @@ def bench_fb(engine: Engine, model_dir: Path, args, device: str) -> dict:
     rows = sft_rows(engine.vocab_size, B, T, seed=0)
     batch = [TrainBatch("fb", datums(rows))]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
-    config = LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=TARGETS, lora_dropout=0.0)
-    peft_model = get_peft_model(base, config)
+    peft_model = baseline.lora_model(base, rank, 2.0 * rank)  # bench/baseline.py
     ids = torch.as_tensor(rows[:, :-1], device=device)  # (B, T)
     targets = torch.as_tensor(rows[:, 1:], device=device)  # (B, T)
 
     def theirs():
-        logits = peft_model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-        V = logits.shape[-1]
-        loss = F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1), reduction="sum")
-        loss.backward()
-        loss.item()
+        baseline.ce_forward_backward(peft_model, ids, targets)
 
     fns = {"engine": lambda: engine.forward_backward(batch), "peft": theirs}
     t = alternate(fns, args.repeats, device)

@@ -33,6 +33,9 @@ FLOAT_KEYS = {
 }
 
 
+_NP_OF_WIRE = {"int64": np.int64, "float32": np.float32}
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", arbitrary_types_allowed=True)
 
@@ -56,7 +59,14 @@ class ModelInput(_Wire):
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+        """A list of ints, a numpy array or anything array-like: one conversion through
+        int64, so a list costs what an array does (a validation pass over a list we just
+        made of ints would only repeat the check)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"from_ints: a flat sequence of token ids, got shape {ids.shape}")
+        chunk = EncodedTextChunk.model_construct(tokens=ids.tolist())
+        return cls.model_construct(chunks=[chunk])
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -93,7 +103,10 @@ class TensorData(_Wire):
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
         dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
-        return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
+        flat = array.astype(_NP_OF_WIRE[dtype], copy=False).reshape(-1)
+        # tolist of an int64 / float32 array gives Python ints / floats, the field's types:
+        # validating them again would cost more than the conversion itself
+        return cls.model_construct(data=flat.tolist(), dtype=dtype, shape=list(array.shape))
 
     @classmethod
     def from_torch(cls, tensor: Any) -> TensorData:
@@ -120,11 +133,11 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
         return TensorData.model_validate(value)
     if hasattr(value, "detach"):  # torch.Tensor, without importing torch
         value = value.detach().cpu().numpy()
-    array = np.asarray(value)
+    array = np.asarray(value)  # a list: the one conversion a list needs, as for the tinker SDK
     if key in INT_KEYS:
-        array = array.astype(np.int64)
-    elif key in FLOAT_KEYS or not np.issubdtype(array.dtype, np.integer):
-        array = array.astype(np.float32)
+        array = array.astype(np.int64, copy=False)
+    elif key in FLOAT_KEYS:
+        array = array.astype(np.float32, copy=False)
     return TensorData.from_numpy(array)
 
 

@@ -1,0 +1,191 @@
+"""The vLLM sampler's contract, on a real vLLM process (CPU, fp32) and Treadle's engine:
+
+- its logprobs are the trainer's (≤ 1e-5) for one adapter and for batches mixing adapters;
+- a base-model row beside adapter rows gets the base model's logprobs (the zero adapter);
+- a snapshot replaced after a long prompt was cached samples with the new weights;
+- the parity gate trips on a planted mismatch, and the request samples on Treadle instead,
+  without failing;
+- a crash of the vLLM process fails no request (they sample on Treadle).
+
+The reference is Treadle's engine scoring the sampled tokens (prompt logprobs of prompt +
+completion), which tests/engine holds to plain transformers.
+
+    .venv/bin/python -m pytest -q tests/worker/vllm   (skips without .venv-vllm)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.engine.types import LoraSpec, SampleRequest, SampleSpec
+from treadle.protocol.ops import Op, OpKind, Outcome, Sample
+from treadle.worker.executor import OpExecutor
+
+PARITY = 1e-5
+_ids = itertools.count()
+
+
+def _perturb(engine, adapter_id: str, seed: int, std: float = 0.1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pair in engine.bank.get(adapter_id).layers.values():
+            pair.B.copy_(torch.randn(pair.B.shape, generator=gen) * std)
+
+
+def _snapshot(executor: OpExecutor, seed: int, rank: int = 8, model: str | None = None) -> str:
+    """A training model with random weights, and a sampler snapshot of it (kept: pushed)."""
+    engine = executor.engine
+    model = model or f"m{next(_ids)}"
+    if model not in engine.bank.adapters:
+        engine.create_adapter(model, LoraSpec(rank=rank, alpha=2.0 * rank))
+    _perturb(engine, model, seed)
+    snap = f"snap:{model}-{next(_ids)}"
+    engine.snapshot(model, snap)
+    executor.keep_snapshot(model, snap)
+    return snap
+
+
+def _op(prompt, adapter=None, n=1, max_tokens=12, seed=None, temperature=1.0) -> Op:
+    spec = SampleSpec(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    req = SampleRequest(list(prompt), num_samples=n, params=spec, adapter=adapter)
+    return Op(f"r{next(_ids)}", OpKind.SAMPLE, Sample(req))
+
+
+def _run(executor: OpExecutor, ops: list[Op]) -> dict[str, Outcome]:
+    out = {o.request_id: o for o in executor.admit_samples(ops)}
+    while executor.sampling:
+        out.update({o.request_id: o for o in executor.decode(lambda: False)})
+    return out
+
+
+def _trainer_logprobs(engine, prompt, tokens, adapter) -> list[float]:
+    req = SampleRequest(
+        list(prompt) + list(tokens), params=SampleSpec(max_tokens=0), adapter=adapter,
+        prompt_logprobs=True,
+    )  # fmt: skip
+    return [float(x) for x in engine.sample([req])[0].prompt_logprobs[len(prompt) :]]
+
+
+def _max_gap(engine, op: Op, outcome: Outcome) -> float:
+    assert outcome.error is None, outcome.error
+    req = op.payload.request
+    gaps = [0.0]
+    for seq in outcome.result.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) > 0
+        ref = _trainer_logprobs(engine, req.prompt, seq.tokens, req.adapter)
+        gaps += [abs(a - b) for a, b in zip(seq.logprobs, ref, strict=True)]
+    return max(gaps)
+
+
+@pytest.fixture(scope="module")
+def executor(engine, vllm_sampler):
+    return OpExecutor(engine, writer=None, vllm=vllm_sampler)
+
+
+def _prompt(seed: int, n: int = 24) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 400, n).tolist()
+
+
+def test_parity_single_adapter(executor, vllm_sampler):
+    snap = _snapshot(executor, seed=1)
+    routed = vllm_sampler.routed
+    ops = [_op(_prompt(1), snap, n=3, seed=7), _op(_prompt(2), snap, max_tokens=20)]
+    out = _run(executor, ops)
+    assert vllm_sampler.routed == routed + 2  # vLLM sampled them, not Treadle
+    assert vllm_sampler.fell_back == 0
+    for op in ops:
+        assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY
+    # seeds: sample j is seeded seed + j, so the three differ
+    seqs = [tuple(s.tokens) for s in out[ops[0].request_id].result.sequences]
+    assert len(set(seqs)) == 3
+
+
+def test_parity_mixed_adapters_and_base_row(executor, vllm_sampler):
+    """Three snapshots of different ranks and base-model rows in one vLLM batch: each row's
+    logprobs are its own weights' (a base row's, the base model's)."""
+    snaps = [_snapshot(executor, seed=s, rank=r) for s, r in [(2, 4), (3, 8), (4, 16)]]
+    ops = [
+        _op(_prompt(10 + i), adapter, n=2, seed=i)
+        for i, adapter in enumerate([None, snaps[0], None, snaps[1], snaps[2], snaps[0]])
+    ]
+    routed = vllm_sampler.routed
+    out = _run(executor, ops)
+    assert vllm_sampler.routed == routed + len(ops)
+    assert vllm_sampler.fell_back == 0
+    for op in ops:
+        assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY, (
+            op.payload.request.adapter
+        )
+    # and the base rows really are the base model, not an adapter
+    base = out[ops[0].request_id].result.sequences[0]
+    other = _trainer_logprobs(executor.engine, _prompt(10), base.tokens, snaps[1])
+    assert max(abs(a - b) for a, b in zip(base.logprobs, other, strict=True)) > 1e-2
+
+
+def test_replaced_snapshot_after_long_prompt_gets_new_weights(executor, vllm_sampler):
+    """A long prompt cached in vLLM's prefix cache with one snapshot; the model trains on and
+    its next snapshot samples the same prompt: the logprobs are the new weights'."""
+    model = f"m{next(_ids)}"
+    long_prompt = _prompt(99, n=600)
+    old = _snapshot(executor, seed=5, model=model)
+    first = _op(long_prompt, old, max_tokens=8, temperature=0.0)
+    out = _run(executor, [first])
+    assert _max_gap(executor.engine, first, out[first.request_id]) <= PARITY
+    executor.drop_ref(old)  # the old snapshot goes (its LoRA with it)
+    new = _snapshot(executor, seed=6, model=model)
+    again = _op(long_prompt, new, max_tokens=8, temperature=0.0)
+    out = _run(executor, [again])
+    assert vllm_sampler.fell_back == 0
+    assert _max_gap(executor.engine, again, out[again.request_id]) <= PARITY
+    assert old not in vllm_sampler.loras
+
+
+def test_gate_trips_on_planted_mismatch_and_falls_back(executor, vllm_sampler):
+    """vLLM made to serve another adapter's weights under a snapshot's LoRA id: the gate's
+    first check of that snapshot trips, the request samples on Treadle (no failure, the
+    trainer's logprobs), and later requests of it go to Treadle from the start."""
+    good = _snapshot(executor, seed=8)
+    wrong = _snapshot(executor, seed=9)
+    lora_id, _ = vllm_sampler.loras[good]
+    _, wrong_folder = vllm_sampler.loras[wrong]
+    vllm_sampler.process.call({"op": "remove_lora", "id": lora_id})
+    vllm_sampler.process.call(
+        {"op": "add_lora", "name": f"{good}@{lora_id}", "id": lora_id, "path": str(wrong_folder)}
+    )
+    fell_back = vllm_sampler.fell_back
+    op = _op(_prompt(20), good, n=2, seed=3)
+    out = _run(executor, [op])
+    assert out[op.request_id].error is None
+    assert vllm_sampler.fell_back == fell_back + 1
+    verdict = vllm_sampler.gate.tripped[good]
+    assert not verdict.passed and verdict.max_abs > 1e-2
+    assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY  # Treadle's own
+    routed = vllm_sampler.routed
+    later = _op(_prompt(21), good)
+    out = _run(executor, [later])
+    assert out[later.request_id].error is None and vllm_sampler.routed == routed
+    # the other snapshot still samples on vLLM
+    other = _op(_prompt(22), wrong)
+    _run(executor, [other])
+    assert vllm_sampler.routed == routed + 1
+
+
+def test_crash_of_vllm_fails_no_request(executor, vllm_sampler):
+    """The vLLM process killed with requests in flight: they sample on Treadle, none fails."""
+    snap = _snapshot(executor, seed=11)
+    ops = [_op(_prompt(30 + i), snap, max_tokens=400, seed=i) for i in range(3)]
+    fell_back = vllm_sampler.fell_back
+    out = {o.request_id: o for o in executor.admit_samples(ops)}
+    assert vllm_sampler.routed and executor.sampling == 3
+    vllm_sampler.process.proc.kill()
+    while executor.sampling:
+        out.update({o.request_id: o for o in executor.decode(lambda: False)})
+    assert all(out[op.request_id].error is None for op in ops)
+    assert vllm_sampler.fell_back == fell_back + 3
+    assert vllm_sampler.deaths == 1 and vllm_sampler.process is None
+    for op in ops:
+        assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY

@@ -107,6 +107,7 @@ class ParityGate:
         self.last: dict[str, Verdict] = {}  # snapshot key → its last check
         self._since: dict[str, int] = {}  # results handed back unchecked since the last check
         self.checks = 0
+        self.forgotten_trips = 0  # of snapshots freed since (a counter never goes down)
 
     def allows(self, key: str) -> bool:
         return key not in self.tripped
@@ -163,5 +164,6 @@ class ParityGate:
         return verdict
 
     def forget(self, key: str) -> None:
+        self.forgotten_trips += key in self.tripped
         for d in (self.tripped, self.last, self._since):
             d.pop(key, None)

@@ -52,6 +52,16 @@ class VllmSampler:
         self.routed = 0  # sample requests vLLM took
         self.fell_back = 0  # requests it held that Treadle's sampler ran instead
 
+    def counts(self) -> dict[str, int]:
+        """Counters since the worker started (its heartbeat's `sampler`, then /metrics)."""
+        return {
+            "vllm_samples": self.routed,
+            "fell_back": self.fell_back,
+            "parity_checks": self.gate.checks,
+            "parity_trips": len(self.gate.tripped) + self.gate.forgotten_trips,
+            "vllm_deaths": self.deaths,
+        }
+
     # ---- life ----
     def start(self, wait: bool = False) -> None:
         """Start the process in the background (wait: until it is up)."""

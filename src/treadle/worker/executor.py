@@ -80,6 +80,8 @@ class OpExecutor(LiveWeights):
         # `--sampler vllm`: a VllmSampler (treadle.worker.vllm), which takes the generating
         # sample ops its parity gate allows; None: Treadle's own sampler takes them all
         self.vllm = vllm
+        if vllm is not None:
+            vllm.is_frozen = lambda key: key.startswith("pin:") or self.is_live(key)
         self._batch: Any = None  # the engine's DecodeBatch, made on first use
         self._flights: dict[int, _Flight] = {}  # by DecodeBatch handle
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {

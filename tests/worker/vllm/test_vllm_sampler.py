@@ -126,6 +126,26 @@ def test_parity_mixed_adapters_and_base_row(executor, vllm_sampler):
     assert max(abs(a - b) for a, b in zip(base.logprobs, other, strict=True)) > 1e-2
 
 
+def test_what_stays_on_treadle(executor, vllm_sampler):
+    """Scoring and prompt logprobs stay on Treadle's engine; a live session's weights go to
+    vLLM only as a pin (a frozen copy), never under the session's own id."""
+    snap = _snapshot(executor, seed=13)
+    model = snap.split(":")[1].rsplit("-", 1)[0]
+    score = _op(_prompt(50), snap, max_tokens=0)
+    score.payload.request.prompt_logprobs = True
+    with_prompt_lp = _op(_prompt(51), snap)
+    with_prompt_lp.payload.request.prompt_logprobs = True
+    routed = vllm_sampler.routed
+    out = _run(executor, [score, with_prompt_lp])
+    assert vllm_sampler.routed == routed
+    assert all(o.error is None for o in out.values())
+    live = _op(_prompt(52), model, seed=1)  # the training model itself: pinned, then vLLM
+    out = _run(executor, [live])
+    assert vllm_sampler.routed == routed + 1
+    assert model not in vllm_sampler.loras
+    assert _max_gap(executor.engine, live, out[live.request_id]) <= PARITY
+
+
 def test_replaced_snapshot_after_long_prompt_gets_new_weights(executor, vllm_sampler):
     """A long prompt cached in vLLM's prefix cache with one snapshot; the model trains on and
     its next snapshot samples the same prompt: the logprobs are the new weights'."""
@@ -172,6 +192,31 @@ def test_gate_trips_on_planted_mismatch_and_falls_back(executor, vllm_sampler):
     other = _op(_prompt(22), wrong)
     _run(executor, [other])
     assert vllm_sampler.routed == routed + 1
+
+
+def test_streamed_tokens_are_the_result(executor, vllm_sampler):
+    """A streamed request on vLLM: its tokens come out as Progress, positions in order, and
+    add up to the sequences of its result."""
+    snap = _snapshot(executor, seed=12)
+    op = _op(_prompt(40), snap, n=2, max_tokens=16, seed=4)
+    op.payload.stream = True
+    routed = vllm_sampler.routed
+    heard: dict[int, list[tuple[int, int, float]]] = {0: [], 1: []}
+
+    def on_progress(items):
+        for item in items:
+            for j, pos, tok, lp in item.tokens:
+                heard[j].append((pos, tok, lp))
+
+    out = {o.request_id: o for o in executor.admit_samples([op])}
+    while executor.sampling:
+        out.update({o.request_id: o for o in executor.decode(lambda: False, on_progress)})
+    assert vllm_sampler.routed == routed + 1
+    for j, seq in enumerate(out[op.request_id].result.sequences):
+        assert [p for p, _, _ in heard[j]] == list(range(len(seq.tokens)))
+        assert [t for _, t, _ in heard[j]] == seq.tokens
+        assert [lp for _, _, lp in heard[j]] == seq.logprobs
+    assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY
 
 
 def test_crash_of_vllm_fails_no_request(executor, vllm_sampler):

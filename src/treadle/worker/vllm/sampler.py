@@ -21,6 +21,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ class VllmSampler:
         self._restart_at = 0.0
         self._failures = 0  # deaths and failed starts: each waits longer to restart
         self.deaths = 0
+        # whether an engine id names weights that never change (the executor's rule: its
+        # snapshots, pins and sampler refs); a live training adapter is never pushed
+        self.is_frozen: Callable[[str], bool] = lambda key: key.startswith(("snap:", "pin:"))
         self.routed = 0  # sample requests vLLM took
         self.fell_back = 0  # requests it held that Treadle's sampler ran instead
 
@@ -135,6 +139,8 @@ class VllmSampler:
         if req.topk_sample_logprobs > self.settings.max_logprobs:
             return False
         if len(req.prompt) + req.params.max_tokens > self.settings.max_model_len:
+            return False
+        if req.adapter is not None and not self.is_frozen(req.adapter):
             return False
         key = gate_key(req.adapter)
         if not self.gate.allows(key) or key in self.unsupported:

@@ -1,6 +1,6 @@
 """Sampling backends: Treadle's own sampler against vLLM (`--sampler vllm`) on the same work.
 
-    python bench/sampling_backends.py            # tiny and small models, 64 new tokens
+    python bench/sampling_backends.py            # tiny and small models, 32 new tokens
     python bench/sampling_backends.py --quick    # the tiny model, 16 new tokens, 2 rounds
 
 Needs the vLLM virtualenv (`make vllm-venv`, or --vllm-python). The same requests go to
@@ -11,6 +11,7 @@ of new tokens per row. Rounds alternate between the two and medians are compared
 figure is vLLM's tokens/s over Treadle's (> 1: vLLM is faster). Both sides use one thread.
 
 - one_adapter_b{8,32}: requests on one LoRA snapshot (rank 16), batch 8 / 32.
+- base_b8: base-model requests (vLLM runs them on the zero adapter, see sampler.py).
 - mixed_b32: 32 requests over 3 snapshots and the base model.
 - grpo_4x8: 4 prompts x num_samples 8 on one snapshot (the RL shape).
 - gate_check_over_sample: one parity check (Treadle scoring 2 samples of a request) over
@@ -102,10 +103,10 @@ def bench_model(size: str, new: int, rounds: int, python: str, out: dict) -> Non
         snaps = snapshots(engine, 3)
         for s in snaps:
             sampler.push(s)
-        sizes = [8] if size == "small" and new < 64 else [8, 32]
-        for b in sizes:
+        for b in [8, 32]:
             compare(engine, sampler, f"{size}_one_adapter_b{b}", requests([snaps[0]] * b, new),
                     rounds, out)  # fmt: skip
+        compare(engine, sampler, f"{size}_base_b8", requests([None] * 8, new), rounds, out)
         mixed = [[*snaps, None][i % 4] for i in range(32)]
         compare(engine, sampler, f"{size}_mixed_b32", requests(mixed, new), rounds, out)
         compare(engine, sampler, f"{size}_grpo_4x8", requests([snaps[0]] * 4, new, 8), rounds, out)
@@ -137,7 +138,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     python = find_python(args.vllm_python)
-    new, rounds = (16, 2) if args.quick else (64, args.rounds)
+    new, rounds = (16, 2) if args.quick else (32, args.rounds)
     out: dict = {"bench": "sampling_backends", "new_tokens": new, "rounds": rounds}
     for size in ["tiny"] if args.quick else ["tiny", "small"]:
         bench_model(size, new, rounds, python, out)

@@ -270,6 +270,11 @@ class ServerConfig(BaseModel):
                 f"devices {self.devices} needs engine_processes true (a worker group is "
                 "torchrun processes), got engine_processes false"
             )
+        if self.sampler == "vllm" and self.devices > 1:
+            raise ValueError(
+                f"sampler vllm runs one vLLM process beside a one-process worker; devices "
+                f"{self.devices} (a worker group) needs sampler torch"
+            )
         return self
 
     @field_validator("auth_cache_ttl_s")

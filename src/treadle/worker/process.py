@@ -287,6 +287,8 @@ class Worker:
         body = messages.encode(messages.Fault(ids, str(fault)))
         self.channel.send([Kind.FAULT.encode(), body])
         self.channel.stop(timeout_s=1.0, linger_s=2.0)
+        if self.vllm is not None:
+            self.vllm.stop()
         if not self.in_thread:
             logging.shutdown()
             os._exit(EXIT_ENGINE_FAULT)

@@ -56,3 +56,15 @@ def test_params_map_seeds_stops_and_logprobs():
     no_eos = SampleRequest([1], params=SampleSpec(stop_at_eos=False, seed=None))
     q = _params(_Engine(), no_eos, 0)
     assert q["stop_token_ids"] == [] and q["seed"] is None
+
+
+def test_config_refuses_what_the_vllm_sampler_cannot_do():
+    from pydantic import ValidationError
+
+    from treadle.server.config import ServerConfig
+
+    with pytest.raises(ValidationError, match="sampler must be torch or vllm"):
+        ServerConfig(models={"m": "x"}, sampler="sglang")
+    with pytest.raises(ValidationError, match="devices 2"):
+        ServerConfig(models={"m": "x"}, sampler="vllm", devices=2)
+    assert ServerConfig(models={"m": "x"}, sampler="vllm").parity_gate  # on by default

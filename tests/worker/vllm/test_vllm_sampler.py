@@ -217,6 +217,7 @@ def test_streamed_tokens_are_the_result(executor, vllm_sampler):
         assert [t for _, t, _ in heard[j]] == seq.tokens
         assert [lp for _, _, lp in heard[j]] == seq.logprobs
     assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY
+    assert vllm_sampler.gate.last[snap].passed  # checked after it streamed
 
 
 def test_crash_of_vllm_fails_no_request(executor, vllm_sampler):

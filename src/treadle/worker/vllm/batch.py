@@ -40,7 +40,8 @@ class _Remote:
 
     request: SampleRequest
     stream: bool
-    checked: bool  # held back for a parity check before it is handed back
+    check: str  # the parity check of its result: "hold" (before it is handed back),
+    # "after" (a streamed one: its tokens are out already) or "" (none)
     rids: list[str]
     seqs: list[SampledSeq | None]
     sent: list[int] = field(default_factory=list)  # streamed tokens per sample
@@ -99,7 +100,7 @@ class VllmDecodeBatch:
             if lora is None:
                 return False
             key = gate_key(req.adapter)
-            checked = not stream and self.sampler.gate.due(key)
+            check = ("after" if stream else "hold") if self.sampler.gate.due(key) else ""
             n, t = req.num_samples, next(_TRIES)
             rids = [f"{h}.{j}.{t}" for j in range(n)]
             for j, rid in enumerate(rids):
@@ -110,7 +111,7 @@ class VllmDecodeBatch:
         except VllmDied as e:
             self._died(e)
             return False
-        self._remote[h] = _Remote(req, stream, checked, rids, [None] * n, [0] * n)
+        self._remote[h] = _Remote(req, stream, check, rids, [None] * n, [0] * n)
         for j, rid in enumerate(rids):
             self._by_rid[rid] = (h, j)
         self.sampler.routed += 1
@@ -258,7 +259,7 @@ class VllmDecodeBatch:
         if any(rid in self._by_rid for rid in r.rids):
             return
         seqs = [s for s in r.seqs if s is not None]
-        if r.checked:
+        if r.check:
             req = r.request
             verdict = self.sampler.gate.check(
                 self.engine,
@@ -267,7 +268,7 @@ class VllmDecodeBatch:
                 list(req.prompt),
                 [(s.tokens, s.logprobs) for s in seqs],
             )
-            if not verdict.passed:
+            if not verdict.passed and r.check == "hold":
                 self._give_back(h)
                 return
         del self._remote[h]

@@ -226,6 +226,12 @@ class Restarter:
             return None
         return result
 
+    def wait(self) -> VllmProcess | None:
+        """Wait for a start under way to end: → the process it started, if it did."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.take()
+
     @property
     def starting(self) -> bool:
         return self._thread is not None

@@ -124,6 +124,9 @@ class VllmSampler:
         if self.process is not None:
             self.process.stop()
             self.process = None
+        started = self.restarter.wait()  # one starting now would outlive the worker
+        if started is not None:
+            started.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- routing ----

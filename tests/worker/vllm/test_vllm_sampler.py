@@ -146,6 +146,18 @@ def test_what_stays_on_treadle(executor, vllm_sampler):
     assert _max_gap(executor.engine, live, out[live.request_id]) <= PARITY
 
 
+def test_a_lora_vllm_cannot_load_samples_on_treadle(executor, vllm_sampler):
+    """A rank above the process's max_lora_rank (16 here): vLLM refuses the LoRA, the
+    snapshot samples on Treadle, no request fails."""
+    snap = _snapshot(executor, seed=14, rank=32)
+    assert snap in vllm_sampler.unsupported and snap not in vllm_sampler.loras
+    routed = vllm_sampler.routed
+    op = _op(_prompt(53), snap, n=2, seed=2)
+    out = _run(executor, [op])
+    assert vllm_sampler.routed == routed
+    assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY
+
+
 def test_replaced_snapshot_after_long_prompt_gets_new_weights(executor, vllm_sampler):
     """A long prompt cached in vLLM's prefix cache with one snapshot; the model trains on and
     its next snapshot samples the same prompt: the logprobs are the new weights'."""

@@ -232,6 +232,21 @@ def test_streamed_tokens_are_the_result(executor, vllm_sampler):
     assert vllm_sampler.gate.last[snap].passed  # checked after it streamed
 
 
+def test_a_cancelled_request_leaves_vllm(executor, vllm_sampler):
+    """cancel_samples between two decode calls: the request leaves vLLM (aborted there) and
+    the batch, metered for what it sampled; the one beside it finishes."""
+    snap = _snapshot(executor, seed=15)
+    long, short = _op(_prompt(60), snap, max_tokens=900), _op(_prompt(61), snap, max_tokens=8)
+    out = {o.request_id: o for o in executor.admit_samples([long, short])}
+    while short.request_id not in out:
+        out.update({o.request_id: o for o in executor.decode(lambda: False)})
+    assert executor.sampling == 1
+    cancelled = executor.cancel_samples({long.request_id}, RuntimeError("cancelled"))
+    assert [o.request_id for o in cancelled] == [long.request_id]
+    assert executor.sampling == 0 and not executor._batch._by_rid
+    assert out[short.request_id].error is None
+
+
 def test_crash_of_vllm_fails_no_request(executor, vllm_sampler):
     """The vLLM process killed with requests in flight: they sample on Treadle, none fails."""
     snap = _snapshot(executor, seed=11)

@@ -232,6 +232,26 @@ def test_streamed_tokens_are_the_result(executor, vllm_sampler):
     assert vllm_sampler.gate.last[snap].passed  # checked after it streamed
 
 
+def test_prefix_scopes_salt_the_cache(executor, vllm_sampler):
+    """The same long prompt on the same weights from two prefix scopes (tenants), one after
+    the other: a scope's second request hits vLLM's prefix cache, the other scope's first
+    does not (its own cache salt); all with the trainer's logprobs."""
+    prompt = _prompt(70, n=300)
+
+    def cached_by(scope: str) -> int:
+        op = _op(prompt, None, seed=1)
+        op.payload.request.prefix_scope = scope
+        before, routed = vllm_sampler.cached_tokens, vllm_sampler.routed
+        out = _run(executor, [op])
+        assert vllm_sampler.routed == routed + 1
+        assert _max_gap(executor.engine, op, out[op.request_id]) <= PARITY
+        return vllm_sampler.cached_tokens - before
+
+    assert cached_by("tenant-a") == 0
+    assert cached_by("tenant-a") >= 128  # whole blocks of the prompt
+    assert cached_by("tenant-b") == 0
+
+
 def test_a_cancelled_request_leaves_vllm(executor, vllm_sampler):
     """cancel_samples between two decode calls: the request leaves vLLM (aborted there) and
     the batch, metered for what it sampled; the one beside it finishes."""

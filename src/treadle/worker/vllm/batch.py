@@ -102,10 +102,13 @@ class VllmDecodeBatch:
             key = gate_key(req.adapter)
             check = ("after" if stream else "hold") if self.sampler.gate.due(key) else ""
             n, t = req.num_samples, next(_TRIES)
+            # vLLM's prefix cache is shared within one cache salt only: a request's prefix
+            # scope (the tenant, where the server sets one) never reuses another's blocks
+            salt = getattr(req, "prefix_scope", "") or None
             rids = [f"{h}.{j}.{t}" for j in range(n)]
             for j, rid in enumerate(rids):
                 self.sampler.process.send(  # type: ignore[union-attr]
-                    {"op": "generate", "rid": rid, "prompt": list(req.prompt),
+                    {"op": "generate", "rid": rid, "prompt": list(req.prompt), "salt": salt,
                      "params": _params(self.engine, req, j), "lora": lora, "stream": stream}
                 )  # fmt: skip
         except VllmDied as e:
@@ -247,6 +250,7 @@ class VllmDecodeBatch:
 
     def _sample_done(self, h: int, j: int, ev: dict) -> None:
         r = self._remote[h]
+        self.sampler.cached_tokens += ev.get("cached", 0)
         if r.stream:
             self._streamed(h, j, ev)
             seq = r.seqs[j]

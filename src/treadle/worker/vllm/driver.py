@@ -8,11 +8,12 @@ dependency) and vLLM. Started by treadle.worker.vllm.process:
 
 One PAIR socket, JSON messages both ways (floats round-trip exactly through Python's json):
 worker → driver  {"op": "add_lora", "name", "id", "path"} | {"op": "remove_lora", "id"}
-                 {"op": "generate", "rid", "prompt", "params", "lora": id | null, "stream"}
+                 {"op": "generate", "rid", "prompt", "params", "lora": id | null, "stream",
+                  "salt": the prefix cache's scope | null}
                  {"op": "abort", "rids"} | {"op": "stop"}
 driver → worker  {"ev": "ready", "startup_s"} | {"ev": "ack", "op", "id", "ok", "error"}
                  {"ev": "tokens", "rid", "tokens", "logprobs", "topk"} (streamed requests)
-                 {"ev": "done", "rid", "tokens", "logprobs", "topk", "finish"}
+                 {"ev": "done", "rid", "tokens", "logprobs", "topk", "finish", "cached"}
                  {"ev": "error", "rid", "error"}
 A request is one sample (n=1): the worker fans a request's num_samples out itself, seeds
 seed + j as vLLM's own fan-out does, and the prefix cache shares the prompt's prefill.
@@ -139,9 +140,10 @@ class Driver:
             raise RuntimeError(f"LoRA id {msg['lora']} is not loaded")
         if msg["stream"]:
             self.stream[msg["rid"]] = 0
-        self.engine.add_request(
-            msg["rid"], {"prompt_token_ids": msg["prompt"]}, params, lora_request=lora
-        )
+        prompt = {"prompt_token_ids": msg["prompt"]}
+        if msg.get("salt"):
+            prompt["cache_salt"] = msg["salt"]
+        self.engine.add_request(msg["rid"], prompt, params, lora_request=lora)
 
     def _emit(self, out) -> None:
         rid = out.request_id
@@ -170,7 +172,8 @@ class Driver:
                     "logprobs": logprobs,
                     "topk": topk,
                     "finish": finish,
-                }  # fmt: skip
+                    "cached": out.num_cached_tokens or 0,  # prompt tokens the prefix cache held
+                }
             )
 
 

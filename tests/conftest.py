@@ -7,7 +7,8 @@ or to restart on the same data folder.
 
 Marks, from what a test and its fixtures do (read from their source, so no author forgets):
 e2e (starts a real `treadle serve`), chaos (kills or faults processes), dist (torchrun
-groups), pg (PostgreSQL), browser (Chromium), compat (the tinker-cookbook virtualenv), slow
+groups), pg (PostgreSQL), browser (Chromium), compat (the tinker-cookbook virtualenv), vllm
+(a vLLM process from the vLLM virtualenv), slow
 (a real pretrained model; set by hand, and left out unless asked for with `-m slow`).
 """
 
@@ -131,6 +132,7 @@ _MARKS = {
     "dist": re.compile(r"torch\.distributed\.run|torchrun|\"devices\": [2-9]|devices=[2-9]"),
     "pg": re.compile(r"\b(postgres|pg_url|PostgresServer)\b"),
     "browser": re.compile(r"\b(playwright|sync_playwright|chromium_path)\b"),
+    "vllm": re.compile(r"\b(vllm_python|vllm_sampler)\b|\"sampler\": \"vllm\""),
 }
 
 

@@ -115,6 +115,9 @@ class WorkerStats:
     calls: dict[str, int] = field(default_factory=dict)  # engine calls by kind (train, ...)
     decode_steps: int = 0
     decode_rows: int = 0  # sample ops summed over decode steps (÷ steps: the mean batch)
+    # with sampler vllm: requests vLLM took, those given back to Treadle's sampler, parity
+    # checks and trips, vLLM process deaths (treadle.worker.vllm.sampler.VllmSampler.counts)
+    sampler: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

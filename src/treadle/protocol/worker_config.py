@@ -38,6 +38,13 @@ class WorkerConfig:
     max_context: int | None = None  # sequences past the model's own context, if allowed
     prefix_cache_gb: float = 0.25  # the sampler's prefix cache across requests (0: off)
     otel_endpoint: str | None = None  # OTLP/HTTP traces (treadle.protocol.tracing)
+    sampler: str = "torch"  # torch | vllm (treadle.worker.vllm)
+    vllm_python: str | None = None
+    vllm_max_loras: int = 4
+    vllm_max_lora_rank: int = 64
+    vllm_kv_cache_gb: float = 1.0
+    parity_gate: bool = True
+    parity_max_abs: float | None = None
 
     @property
     def artifacts_dir(self) -> Path:

@@ -231,7 +231,34 @@ class ServerConfig(BaseModel):
     """USD per GB-month of checkpoint storage (billing/usage reports; 0: not charged)."""
     upload_url_ttl_s: float = 3600.0
     """How long the signed URLs of an external-weights upload stay valid."""
+    sampler: str = "torch"
+    """What samples: torch (Treadle's own sampler, exact against the trainer) or vllm (a
+    vLLM process per worker, for GPUs, behind the parity gate; needs the vLLM virtualenv:
+    `make vllm-venv`, docs/sampling-backends.md). Scoring stays on Treadle's engine."""
+    vllm_python: str | None = None
+    """The python of the vLLM virtualenv (default: $TREADLE_VLLM_PYTHON, else
+    .venv-vllm/bin/python in the working folder or the source checkout)."""
+    vllm_max_loras: int = 4
+    """LoRAs vLLM runs in one batch (one slot is the zero adapter of base-model rows);
+    requests of more wait in vLLM's own queue."""
+    vllm_max_lora_rank: int = 64
+    """The highest LoRA rank vLLM serves; a snapshot of a higher rank samples on Treadle."""
+    vllm_kv_cache_gb: float = 1.0
+    """GiB of vLLM's KV cache (on a CPU: of RAM)."""
+    parity_gate: bool = True
+    """With sampler vllm: check vLLM's logprobs against Treadle's engine on every snapshot's
+    first results and then periodically; a snapshot over the threshold samples on Treadle."""
+    parity_max_abs: float | None = None
+    """The gate's largest per-token |logprob difference| (nats); mean and KL bounds scale
+    with it. Default per dtype: 1e-3 float32, 0.3 bfloat16."""
     limits: InputLimits = InputLimits()
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, v: str) -> str:
+        if v not in ("torch", "vllm"):
+            raise ValueError(f"sampler must be torch or vllm, got {v!r}")
+        return v
 
     @field_validator("models")
     @classmethod
@@ -260,6 +287,11 @@ class ServerConfig(BaseModel):
             raise ValueError(
                 f"devices {self.devices} needs engine_processes true (a worker group is "
                 "torchrun processes), got engine_processes false"
+            )
+        if self.sampler == "vllm" and self.devices > 1:
+            raise ValueError(
+                f"sampler vllm runs one vLLM process beside a one-process worker; devices "
+                f"{self.devices} (a worker group) needs sampler torch"
             )
         return self
 
@@ -326,6 +358,7 @@ CHOICES = {
     "log_level": ["debug", "info", "warning", "error"],
     "shard": ["none", "fsdp"],
     "activation_checkpointing": ["off", "on", "auto"],
+    "sampler": ["torch", "vllm"],
 }
 
 

@@ -73,9 +73,15 @@ class OpExecutor(LiveWeights):
         max_snapshots: int = 8,
         state_root: Path | None = None,
         on_refs: Callable[[list[str], list[str]], None] | None = None,
+        vllm: Any = None,
     ):
         super().__init__(engine, max_snapshots, state_root, on_refs)
         self.writer = writer
+        # `--sampler vllm`: a VllmSampler (treadle.worker.vllm), which takes the generating
+        # sample ops its parity gate allows; None: Treadle's own sampler takes them all
+        self.vllm = vllm
+        if vllm is not None:
+            vllm.is_frozen = lambda key: key.startswith("pin:") or self.is_live(key)
         self._batch: Any = None  # the engine's DecodeBatch, made on first use
         self._flights: dict[int, _Flight] = {}  # by DecodeBatch handle
         self._single: dict[OpKind, Callable[[Op], Outcome | Deferred]] = {
@@ -161,7 +167,7 @@ class OpExecutor(LiveWeights):
         if not callable(getattr(self.engine, "decode_batch", None)) or ops[0].faults:
             return self.run_samples(ops)
         if self._batch is None:
-            self._batch = self.engine.decode_batch()
+            self._batch = self._new_batch()
         self.hold(ops)  # those that arrived before their adapter existed
         requests = [self.request_of(op) for op in ops]
         try:
@@ -203,7 +209,7 @@ class OpExecutor(LiveWeights):
             return [failure(op, e) for op in self.abort_samples()]
         flights = [(self._flights.pop(h), result) for h, result in finished]
         self.release([flight.op for flight, _ in flights])  # and what compaction let go
-        return [sample_outcome(f.op, r).timed(f.started_at) for f, r in flights]
+        return [_sampled(f.op, r).timed(f.started_at) for f, r in flights]
 
     def cancel_samples(self, request_ids: set[str], error: Exception) -> list[Outcome]:
         """Stop these sample ops where they are in the decode batch (between two decode
@@ -236,6 +242,24 @@ class OpExecutor(LiveWeights):
 
     def _routed(self) -> set[str]:
         return self._batch.adapter_keys() if self._batch is not None else set()
+
+    def _new_batch(self) -> Any:
+        if self.vllm is None:
+            return self.engine.decode_batch()
+        from treadle.worker.vllm.batch import VllmDecodeBatch
+
+        return VllmDecodeBatch(self.engine, self.vllm)
+
+    # ---- the vLLM sampler's LoRAs follow the snapshots ----
+    def keep_snapshot(self, model_id: str, snap: str) -> None:
+        super().keep_snapshot(model_id, snap)
+        if self.vllm is not None:
+            self.vllm.push(snap)  # loaded now, so the first request does not wait for it
+
+    def _free(self, ref: str) -> None:
+        if self.vllm is not None:
+            self.vllm.forget(ref)
+        super()._free(ref)
 
     # ---- everything else: one op at a time, in its model's order ----
     def run_single(self, op: Op) -> Outcome | Deferred:
@@ -305,6 +329,11 @@ class OpExecutor(LiveWeights):
             outcome = _saved(op, *self.writer.snapshot(op.model_id, snap, p))
         self.keep_snapshot(op.model_id, snap)
         return outcome
+
+
+def _sampled(op: Op, result: Any) -> Outcome:
+    error = getattr(result, "error", None)  # a sampler that could not finish it says why
+    return failure(op, error) if error is not None else sample_outcome(op, result)
 
 
 def _saved(op: Op, result: SaveResult, saved: Saved) -> Outcome:

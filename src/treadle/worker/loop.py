@@ -295,6 +295,7 @@ class EngineLoop:
             calls=dict(s.calls),
             decode_steps=s.decode_steps,
             decode_rows=s.decode_rows,
+            sampler=vllm.counts() if (vllm := getattr(self.executor, "vllm", None)) else {},
         )
 
     def _record(self, running_ids: list[str]) -> None:

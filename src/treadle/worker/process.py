@@ -116,12 +116,18 @@ class Worker:
         self.worker_id = uuid.uuid4().hex[:12]
         engine = engine if engine is not None else load_engine(config)
         writer = CheckpointWriter(engine, config.artifacts_dir)
+        self.vllm = None
+        if config.sampler == "vllm":  # its process starts in the background
+            from treadle.worker.vllm import vllm_sampler
+
+            self.vllm = vllm_sampler(config, engine)
         executor = OpExecutor(
             engine,
             writer,
             config.max_snapshots_per_model,
             state_root=config.state_dir,
             on_refs=self._refs,
+            vllm=self.vllm,
         )
         self.facts = EngineFacts.of(config.name, engine)
         recorder_path = None if in_thread else os.environ.get(FLIGHT_RECORDER_ENV)
@@ -187,6 +193,8 @@ class Worker:
             except Exception:
                 log.exception("final snapshots failed")
             self.loop.stop()
+            if self.vllm is not None:
+                self.vllm.stop()
             self.channel.stop()
             self._done.set()
 
@@ -280,6 +288,8 @@ class Worker:
         body = messages.encode(messages.Fault(ids, str(fault)))
         self.channel.send([Kind.FAULT.encode(), body])
         self.channel.stop(timeout_s=1.0, linger_s=2.0)
+        if self.vllm is not None:
+            self.vllm.stop()
         if not self.in_thread:
             logging.shutdown()
             os._exit(EXIT_ENGINE_FAULT)

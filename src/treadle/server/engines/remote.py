@@ -286,6 +286,10 @@ class WorkerEngine(EngineClient):
             metrics.DECODE_STEPS.labels(name).inc(now.decode_steps - last.decode_steps)
         if now.decode_rows > last.decode_rows:
             metrics.DECODE_ROWS.labels(name).inc(now.decode_rows - last.decode_rows)
+        for event, n in now.sampler.items():
+            grown = n - last.sampler.get(event, 0)
+            if grown > 0:
+                metrics.SAMPLER_EVENTS.labels(name, event).inc(grown)
         self._stats = now
 
     def tick(self) -> None:

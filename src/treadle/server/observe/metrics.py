@@ -9,6 +9,7 @@ API process per deployment); whoever knows of an event counts it where it happen
 | treadle_ops_total, treadle_op_latency_seconds, treadle_op_queue_seconds | kind (, status) | the outcome listener (treadle.server.observe.listener) |
 | treadle_tokens_total | kind (prefill, sample, train), tenant (a bounded set) | the outcome listener |
 | treadle_engine_calls_total, treadle_decode_steps_total, treadle_decode_rows_total | model (, kind) | workers' heartbeats (treadle.server.engines.remote) |
+| treadle_sampler_events_total | model, event | the same, with --sampler vllm (treadle.worker.vllm) |
 | treadle_worker_restarts_total, treadle_engine_faults_total | model (, cause) | the worker's handle (remote) |
 | treadle_snapshot_seconds, treadle_restore_seconds | model | the worker's handle (remote) |
 | treadle_db_commit_seconds | | the journal (treadle.server.storage.journal) |
@@ -74,6 +75,12 @@ DECODE_ROWS = Counter(
     "treadle_decode_rows",
     "Sample ops in the decode batch, summed over decode steps (÷ steps: the mean batch)",
     ["model"],
+)
+SAMPLER_EVENTS = Counter(
+    "treadle_sampler_events",
+    "With --sampler vllm: vllm_samples (requests vLLM took), fell_back (given back to "
+    "Treadle's sampler), parity_checks, parity_trips, vllm_deaths, vllm_cached_prompt_tokens",
+    ["model", "event"],
 )
 WORKER_RESTARTS = Counter(
     "treadle_worker_restarts", "Workers that took over a model after the first", ["model"]

@@ -13,11 +13,15 @@ DEAD_AFTER_S.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import openai
+import pytest
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.protocol import messages
 from treadle.worker import process
 
 TINY = "treadle/tiny-llama"
@@ -65,3 +69,29 @@ def test_a_worker_welcomed_again_by_an_api_that_kept_it_keeps_its_models(start_s
         assert "forgetting every model" not in server.log()
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize(
+    ("served_before", "restores", "welcomed", "resets"),
+    [
+        (False, True, False, False),  # the first WELCOME: nothing to forget
+        (True, True, False, True),  # a restarted API, or one that lost the worker
+        (True, True, True, True),  # ... even after a WELCOME of an earlier HELLO crossed it
+        (True, False, False, False),  # an API that kept the worker: it only seemed silent
+        (True, False, True, False),  # a duplicate
+    ],
+)
+def test_only_an_api_that_restores_the_models_makes_the_worker_forget_them(
+    served_before, restores, welcomed, resets
+):
+    calls: list[str] = []
+    done: Future = Future()
+    done.set_result(None)
+    worker = SimpleNamespace(
+        _epoch="e0" if served_before else None,
+        _welcomed=welcomed,
+        loop=SimpleNamespace(control=lambda name: calls.append(name) or done),
+    )
+    process.Worker._welcome(worker, messages.Welcome("e1", restores=restores))
+    assert calls == (["reset"] if resets else [])
+    assert worker._welcomed

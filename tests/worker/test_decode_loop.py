@@ -412,3 +412,27 @@ def test_a_queued_sample_op_is_cancelled_before_it_runs(make_loop):
     assert "first" not in log.outcomes or log.outcomes["first"].succeeded
     log.wait(lambda: "first" in log.outcomes)
     assert len(log.outcomes["first"].result.sequences[0].tokens) == 200
+
+
+def test_a_sample_filed_while_a_round_holds_its_arrivals_is_held_once(loop, engine):
+    """A chat on a live session filed while the round pins the weights of the ops that
+    arrived before it: it is held once, and its pin freed when it ends (held again by the
+    next round after it had ended, its pin would stay in memory for good)."""
+    log = loop.log
+    create(loop, "m-h")
+    executor, hold = loop.executor, loop.executor.hold
+    late = [sample_op("late", max_tokens=2, seed=3, adapter="m-h")]
+
+    def hold_and_file(ops):  # the engine thread, between taking arrivals and running them
+        hold(ops)
+        if late and any(op.request_id == "first" for op in ops):
+            loop.submit(late.pop())
+
+    executor.hold = hold_and_file
+    loop.submit(sample_op("first", max_tokens=2, seed=2, adapter="m-h"))
+    log.wait(lambda: {"first", "late"} <= log.outcomes.keys())
+    loop.submit(sample_op("next", max_tokens=2, seed=4))  # one more round
+    log.wait(lambda: "next" in log.outcomes)
+    assert all(log.outcomes[r].succeeded for r in ("first", "late", "next"))
+    assert not executor._held
+    assert not [k for k in engine.bank.snapshots if k.startswith("pin:")]

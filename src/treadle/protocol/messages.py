@@ -39,7 +39,7 @@ from treadle.protocol.ops import (
 )
 from treadle.protocol.saved import Saved
 
-PROTOCOL = 3
+PROTOCOL = 4  # 4: Welcome.restores
 _ARRAY = 1  # msgpack extension code of a numpy array
 
 
@@ -48,7 +48,7 @@ class Kind(enum.StrEnum):
     HEARTBEAT. API → worker: WELCOME, OP, CALL, HEARTBEAT, REJOIN, SHUTDOWN."""
 
     HELLO = "hello"  # a worker is up: its model and facts
-    WELCOME = "welcome"  # the API took it: its epoch (a new epoch means "start afresh")
+    WELCOME = "welcome"  # the API took it (anew: "start afresh"; or again, as it is)
     OP = "op"
     OUTCOMES = "outcomes"
     PROGRESS = "progress"  # tokens of streamed sample ops, as they are sampled
@@ -76,6 +76,10 @@ class Hello:
 @dataclass
 class Welcome:
     epoch: str
+    # True: the API took this worker anew (it never knew it, or lost it) and restores its
+    # models from its records, so a worker that served before drops everything first;
+    # False: a repeated HELLO of a worker the API kept, whose models and ops stay as they are
+    restores: bool = True
 
 
 @dataclass

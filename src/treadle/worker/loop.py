@@ -220,7 +220,6 @@ class EngineLoop:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
-                arrived, self.arrived = self.arrived, []
                 now = time.monotonic()
                 expired = [
                     o
@@ -232,17 +231,20 @@ class EngineLoop:
             # so that a round never runs an op of a model a call just removed.
             for call in calls:
                 run_call(call, self.name, self.executor.check_fault, self._record)
-            # A sample op answers from the weights of its arrival, whatever this round runs
-            # before it joins the decode batch (an optim_step filed after it, a full batch).
-            if arrived:
-                self.executor.hold(arrived)
             with self.cond:
+                # taken with the plan: every sample op the plan can run is held before it
+                # runs, and only once (one held later, after it ended, would hold forever)
+                arrived, self.arrived = self.arrived, []
                 ready = self._runnable_samples_locked()
                 steps = plan_round(self.queues, ready, self._room(), self.max_merge_tokens)
                 for step in steps:
                     if step.kind == "sample":
                         taken = {id(op) for op in step.ops}
                         self.samples = [op for op in self.samples if id(op) not in taken]
+            # A sample op answers from the weights of its arrival, whatever this round runs
+            # before it joins the decode batch (an optim_step filed after it, a full batch).
+            if arrived:
+                self.executor.hold(arrived)
             for step in steps:
                 self._execute(step)
             decoding = self.executor.sampling > 0

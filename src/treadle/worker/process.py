@@ -23,8 +23,10 @@ A model that does not load ends the process with EXIT_LOAD_FAILED and its one-li
 unknown architecture, no tokenizer, too little memory): the supervisor reports it.
 
 If the API goes silent (no heartbeat for API_SILENT_S), or says it does not know this
-worker, the worker says HELLO again until it is welcomed; being welcomed again makes it
-drop every model first, since the API restores them all from its database. SIGTERM or
+worker, the worker says HELLO again until it is welcomed. An API that took it anew (it had
+restarted, or lost the worker) restores every model from its database, so the worker drops
+them all first; one that had kept it (it was only slow: a busy machine) says so
+(Welcome.restores false), and the worker goes on with everything it holds. SIGTERM or
 SHUTDOWN: run what is queued (up to drain_timeout_s), write every model's state, stop.
 """
 
@@ -221,13 +223,15 @@ class Worker:
             self.drain_and_exit()
 
     def _welcome(self, welcome: messages.Welcome) -> None:
-        if self._welcomed:
-            return  # a duplicate (two HELLOs crossed)
-        if self._epoch is not None:
-            # welcomed again (a restarted API, or one that lost track of us): it restores
+        if welcome.restores and self._epoch is not None:
+            # taken anew (a restarted API, or one that lost track of us): it restores
             # every model from its records, so start from nothing
-            log.warning("welcomed again: forgetting every model (the API restores them)")
+            log.warning("welcomed anew: forgetting every model (the API restores them)")
             self.loop.control("reset").result()
+        elif self._welcomed:
+            return  # a duplicate (two HELLOs crossed)
+        # else welcomed as we are (we only thought the API silent): the API restores
+        # nothing, so every model, queued op and decoding row stays
         self._epoch, self._welcomed = welcome.epoch, True
 
     def _call(self, call: messages.Call) -> None:

@@ -2,8 +2,10 @@
 
 A worker (treadle.worker) connects its DEALER socket here and says HELLO (its model, its
 facts, the hub's token, the replica it wants); the hub checks the token and the protocol,
-answers WELCOME and hands it to the WorkerEngine of that replica. After that, messages are
-routed by the worker's socket identity. A worker that sends nothing for `dead_after_s`
+answers WELCOME and hands it to the WorkerEngine of that replica, which restores the
+replica's models on it. A worker it holds already that says HELLO again (it heard nothing
+from the API for a while) is welcomed as it is (Welcome.restores false): nothing is restored,
+and it keeps its models. After that, messages are routed by the worker's socket identity. A worker that sends nothing for `dead_after_s`
 (heartbeats come every tick) is lost: its WorkerEngine hears of it and waits for the next.
 """
 
@@ -99,10 +101,13 @@ class WorkerHub:
         if hello.protocol != messages.PROTOCOL:
             log.warning("refused a worker speaking protocol %s", hello.protocol)
             return
-        welcome = messages.encode(messages.Welcome(self.epoch))
-        if identity in self._by_identity:  # a repeated HELLO: already taken
-            self.send(identity, Kind.WELCOME, welcome)
+        if identity in self._by_identity:
+            # a repeated HELLO (the worker heard nothing from us for API_SILENT_S: a busy
+            # machine) of a worker we kept: it keeps its models, we restore nothing
+            kept = messages.Welcome(self.epoch, restores=False)
+            self.send(identity, Kind.WELCOME, messages.encode(kept))
             return
+        welcome = messages.encode(messages.Welcome(self.epoch, restores=True))
         engine = group.slot_for(hello.replica)
         for old, owner in list(self._by_identity.items()):
             if owner is engine and old != identity:

@@ -10,33 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _s3 import moto_s3
 
 from treadle.artifacts import encryption, stores
 from treadle.errors import InvalidRequestError
-from treadle.launch import free_port
 from treadle.protocol.ops import PackageTarget
 from treadle.server.registry import versions as registry
 from treadle.server.storage.database import Store
 
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
 BUCKET = "units"
 
 
 @pytest.fixture(scope="module")
 def s3_url():
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        mp.setenv("TREADLE_S3_ENDPOINT_URL", url)
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    with moto_s3(BUCKET) as url:
         yield url
-    server.stop()
 
 
 def objects(s3_url: str) -> set[str]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _s3 import moto_s3
 from _tenancy import TINY, Api, make_tenants
 
 from treadle import ServiceClient
@@ -21,7 +22,6 @@ from treadle.client.transport import RetryPolicy
 
 tinker = pytest.importorskip("tinker")
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
 BUCKET = "lifetime"
 SWEEP_S = 0.2
@@ -31,24 +31,8 @@ FAST_RETRY = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=2
 
 @pytest.fixture(scope="module")
 def s3():
-    from treadle.launch import free_port
-
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "TREADLE_S3_ENDPOINT_URL": url,
-        }.items():
-            mp.setenv(name, value)
-        client = boto3.client("s3", endpoint_url=url)
-        client.create_bucket(Bucket=BUCKET)
-        yield client
-    server.stop()
+    with moto_s3(BUCKET) as url:
+        yield boto3.client("s3", endpoint_url=url)
 
 
 @pytest.fixture(scope="module")

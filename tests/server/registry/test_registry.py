@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _s3 import moto_s3
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.artifacts import encryption
@@ -25,7 +26,6 @@ from treadle.launch import ServerProcess
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 transformers = pytest.importorskip("transformers")
 
 TINY = "treadle/tiny-llama"
@@ -36,23 +36,8 @@ FAST_RETRY = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=2
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    from treadle.launch import free_port
-
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "TREADLE_S3_ENDPOINT_URL": url,
-        }.items():
-            mp.setenv(name, value)
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    with moto_s3(BUCKET) as url:
         yield url
-    server.stop()
 
 
 @pytest.fixture(scope="module")

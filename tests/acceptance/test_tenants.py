@@ -142,7 +142,9 @@ def _alice_resources(alice: Api) -> dict[str, str]:
         {"base_model": TINY, "name": "up-a", "files": {
             "adapter_config.json": 10, "adapter_model.safetensors": 10}},
     )["upload_id"]  # fmt: skip
+    capture = alice.http.post("/api/v1/treadle/captures", json={}).json()["capture_id"]
     return {
+        "capture": capture,
         "upload": upload,
         "grouped_model": grouped,
         "model": model,
@@ -164,6 +166,7 @@ def _fakes(res: dict[str, str]) -> dict[str, str]:
     hexid = lambda: uuid.uuid4().hex[:16]  # noqa: E731
     session, run = hexid(), hexid()
     return {
+        "capture": f"cap-{hexid()}",
         "upload": hexid(),
         "grouped_model": f"{session}:train:1",
         "model": f"{session}:train:0",
@@ -354,6 +357,24 @@ PROBES = {
         ("POST", "/v1/chat/completions", {"json": _chat(r[k])})
         for k in ("model", "sampler", "sampler_path", "version")
     ],
+    ("POST", "/v1/messages"): lambda r, b: [
+        ("POST", "/v1/messages", {"json": _chat(r[k])})  # the same fields in Anthropic's shape
+        for k in ("model", "sampler", "sampler_path", "version")
+    ],
+    # capture sessions are named within their tenant: B's name is another session
+    ("GET", "/api/v1/treadle/captures/{capture_id}/completions"): lambda r, b: [
+        ("GET", f"/api/v1/treadle/captures/{r['capture']}/completions", {})
+    ],
+    ("POST", "/api/v1/treadle/captures/{capture_id}/rewards"): lambda r, b: [
+        (
+            "POST",
+            f"/api/v1/treadle/captures/{r['capture']}/rewards",
+            {"json": {"rewards": [{"trajectory_id": "t", "reward": 1.0}]}},
+        )
+    ],
+    ("POST", "/api/v1/treadle/captures/{capture_id}/datums"): lambda r, b: [
+        ("POST", f"/api/v1/treadle/captures/{r['capture']}/datums", {"json": {}})
+    ],
     ("POST", "/v1/completions"): lambda r, b: [
         (
             "POST",
@@ -506,6 +527,8 @@ NO_RESOURCE = {
     ("GET", "/api/v1/treadle/traces/{token}"): "a signed link of a session's trace: the "
     "signature is the grant; B cannot get one for A's session (trace_export is probed)",
     ("POST", "/api/v1/external_weights_upload_start"): "starts an upload of the caller's own",
+    ("POST", "/api/v1/treadle/captures"): "makes (or keeps) a capture session of the caller's "
+    "own: a name is looked up only among the caller's (the capture probes check it)",
     ("GET", "/api/v1/auth/apikey/me"): "the presented key's own metadata",
     ("DELETE", "/api/v1/auth/apikey/me"): "revokes the presented key itself, never another",
     ("POST", "/api/v1/auth/token"): "exchanges the presented key for a token of it",

@@ -3,7 +3,8 @@
 A run's plan is its tokens per counter (prefill, sample, train), each a range: what the data
 fixes is exact (the tokens of an SFT batch, the prompts of an RL step), what the model decides
 is bounded (a sampled completion is 1 to max_tokens tokens; an RL group whose rewards are all
-equal trains nothing). The estimate is the plan priced: low, expected and high cost, the
+equal trains nothing; a prompt sent again to the same weights may be held by the server's
+prefix cache, metered as cached prefill at its lower price). The estimate is the plan priced: low, expected and high cost, the
 metered cost of the run falls between low and high.
 
     plan = rl_plan("treadle/tiny-llama", prompts_S_P, group_size=8, max_tokens=64)
@@ -42,6 +43,14 @@ class Span:
 
 def exact(n: float) -> Span:
     return Span(n, n, n)
+
+
+def _prefill(prompts_P: Sequence[int], requests: int) -> Span:
+    """Prompt tokens prefilled by `requests` requests of each prompt: all of them, or, where
+    the server's prefix cache holds a prompt (sent before to the same weights, or sharing a
+    prefix with one that was), as little as its last token."""
+    every = requests * sum(prompts_P)
+    return Span(requests * len(prompts_P), every, every)
 
 
 @dataclass
@@ -131,7 +140,7 @@ def rl_plan(
     evaluations sample `eval_samples` completions (and one greedy) of each eval prompt."""
     plan = RunPlan(model, len(prompts_S_P))
     for prompts_P in prompts_S_P:
-        plan.add("prefill", exact(sum(prompts_P)))
+        plan.add("prefill", _prefill(prompts_P, 1))
         plan.add("sample", sample_span(len(prompts_P), group_size, max_tokens))
         full = sum(group_size * (p + max_tokens - 1) for p in prompts_P)
         expected = sum(group_size * (p + EXPECTED_FILL * max_tokens - 1) for p in prompts_P)
@@ -139,8 +148,12 @@ def rl_plan(
     if evals and eval_prompts_P:
         requests = 1 + int(greedy_eval)
         samples = eval_samples + int(greedy_eval)
-        plan.add("prefill", exact(evals * requests * sum(eval_prompts_P)))
+        plan.add("prefill", _prefill(eval_prompts_P, requests).scaled(evals))
         plan.add("sample", sample_span(len(eval_prompts_P), samples, max_tokens).scaled(evals))
+    plan.notes.append(
+        "prompts: the prefix cache may hold all of a prompt but its last token (low); held"
+        " tokens are metered as cached prefill, at its lower price"
+    )
     plan.notes.append(
         f"completions: 1 to {max_tokens} tokens (expected {EXPECTED_FILL:.0%} of max_tokens);"
         " a group whose rewards are all equal trains nothing (low: none trains)"

@@ -113,7 +113,11 @@ class PacedPool:
 
     def _may_start(self) -> bool:
         """At most k + 1 batches started and not trained, and nothing new while an older
-        version's group is still sampling and due now."""
+        version's group is still sampling and due now. On-policy (k = 0), one batch per
+        version: a group started between a step's training and the publication of its new
+        policy would be trained a step after the policy that sampled it."""
+        if self.k == 0 and self._started[self._version] >= self.batch:
+            return False
         if len(self._in_flight) + len(self._finished) >= (self.k + 1) * self.batch:
             return False
         return not any(

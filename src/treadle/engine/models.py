@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,13 @@ def load_tokenizer(model_path: str | Path):
     return AutoTokenizer.from_pretrained(folder, **_source_kwargs(gguf))
 
 
+# transformers' from_pretrained patches process-wide functions while it builds a model (its
+# empty-weights and no-init contexts); two loads at once on threads of one process (engine
+# workers on threads) can leave them patched for good, and every later model is built on
+# the meta device. Loads in one process take turns.
+_LOADING = threading.Lock()
+
+
 def load_base_model(
     model_dir: str | Path, dtype: str = "float32", device: str = "cpu"
 ) -> BaseModel:
@@ -119,7 +127,8 @@ def load_base_model(
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device)
     kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else _dense_experts(folder))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+    with _LOADING:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     model.to(dev)
     model.eval()  # no dropout: training and sampling must see the same function
     model.requires_grad_(False)

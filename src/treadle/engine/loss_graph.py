@@ -18,6 +18,7 @@ times its inputs, is refused before it exists (`check_cost`).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any
@@ -239,6 +240,9 @@ class CustomLoss:
         return {k: v / len(data) if k.endswith(":mean") else v for k, v in sums.items()}
 
 
+@functools.lru_cache(maxsize=64)
 def custom_loss(upload: str) -> CustomLoss:
-    """An upload as a train op carries it (JSON: name, inputs, graph) → its CustomLoss."""
+    """An upload as a train op carries it (JSON: name, inputs, graph) → its CustomLoss.
+    Kept per upload, so that a loop's every step does not parse and check its graph again
+    on the engine thread, nor dry-run the cost of shapes it has seen."""
     return CustomLoss(parse_upload(upload))

@@ -14,10 +14,25 @@ treadle estimate --recipe math_rl --config math.json
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
+
+
+def _exit_interrupted(message: str | None = None) -> NoReturn:
+    """Ctrl-C: say so in one line and exit with status 130 (128 + SIGINT), every time.
+    After `sys.exit(130)` the process was seen, now and then, to end by the signal instead
+    (status -2) during the interpreter's own shutdown; so the exit hooks run here
+    (sessions finished, connections closed) and the process leaves without that shutdown."""
+    if message is not None:
+        print(message, file=sys.stderr)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -40,7 +55,7 @@ def _serve(args: argparse.Namespace) -> None:
     try:
         serve(config)
     except KeyboardInterrupt:  # before the server handles signals itself (while importing)
-        sys.exit(130)
+        _exit_interrupted()
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -79,8 +94,7 @@ def _demo(args: argparse.Namespace) -> None:
     except DemoError as e:
         sys.exit(f"treadle demo: {e}")
     except KeyboardInterrupt:
-        print("\ntreadle demo: interrupted; run it again to start over", file=sys.stderr)
-        sys.exit(130)
+        _exit_interrupted("\ntreadle demo: interrupted; run it again to start over")
 
 
 def _hf_cache(args: argparse.Namespace) -> None:

@@ -146,6 +146,25 @@ def test_out_of_order_requests_run_in_seq_order_and_resubmits_run_once(fast_serv
     assert request_row(fast_server, r2)["train_tokens"] == 4  # usage, recorded per request
 
 
+def test_a_resubmit_to_an_unloaded_model_gets_its_original_future(fast_server):
+    """A client whose reply was lost (the server crashed between the commit and the reply)
+    sends the request again; if the model is gone by then, the resubmission still gets the
+    request it was filed as, and a request never filed gets the 404."""
+    raw = Raw(fast_server.url)
+    model = raw.model(raw.session(), fast_server.model_name)
+    fwd = raw.fwd(model, 1, [datum([3, 4, 5])]).json()["request_id"]
+    optim = {"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 0.05}}
+    step = raw.ok("/optim_step", optim)["request_id"]
+    raw.wait(step)
+    raw.wait(raw.ok("/unload_model", {"model_id": model})["request_id"])
+
+    assert raw.fwd(model, 1, [datum([3, 4, 5])]).json()["request_id"] == fwd
+    assert raw.ok("/optim_step", optim)["request_id"] == step
+    assert raw.wait(step).json()["metrics"]  # its result, as before
+    late = raw.post("/optim_step", {**optim, "seq_id": 3})
+    assert late.status_code == 404 and "was unloaded" in late.json()["error"]
+
+
 def request_row(server, request_id: str) -> dict:
     import sqlite3
 

@@ -72,6 +72,11 @@ from treadle.server.tenancy.auth import Tenant, current_key_id, owns
 log = logging.getLogger("treadle.futures")
 
 
+def dedup_key(owner: str | None, seq_id: int | None) -> str | None:
+    """What makes a request a resubmission: its model (or sampling session) and seq_id."""
+    return f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
+
+
 @dataclass
 class Polled:
     """What a long poll found: a finished request's stored form, or None while pending."""
@@ -117,8 +122,7 @@ class Futures:
     ) -> str:
         """File a future and queue its op; → its request_id (a resubmission's is the
         original's, and nothing is queued again)."""
-        owner = model_id if sampling_session_id is None else sampling_session_id
-        key = f"{owner}#{seq_id}" if owner is not None and seq_id is not None else None
+        key = dedup_key(model_id if sampling_session_id is None else sampling_session_id, seq_id)
         if key is not None and (found := await self.keys.known(key)) is not None:
             return found
         if kind != OpKind.SAMPLE and seq_id is None:
@@ -168,6 +172,11 @@ class Futures:
             if (found := await self.keys.in_db(key)) is not None:
                 return found
             raise
+
+    async def filed_as(self, owner: str, seq_id: int) -> str | None:
+        """The request_id (owner, seq_id) was filed as, from memory or the database."""
+        key = dedup_key(owner, seq_id)
+        return await self.keys.known(key) or await self.keys.in_db(key)
 
     async def file_finished(
         self,

@@ -78,6 +78,20 @@ class TrainingModels:
             )
         return row
 
+    async def refiled(self, model_id: str, seq_id: int | None) -> str | None:
+        """A resubmission, to a model no longer loaded, of a request it filed before: its
+        reply was lost (a crash between the commit and the reply), so the client sends it
+        again. It gets the original request_id, whose result says what became of it, not
+        the 404 a new request gets. None for any other request (and for a loaded model,
+        whose filing finds the resubmission itself, with no read here)."""
+        known = self._rows.get(model_id)
+        if seq_id is None or (known is not None and self.loaded(known)):
+            return None
+        row = self.row(model_id)
+        if row is None or not owns(row.tenant_id):
+            return None
+        return await self.futures.filed_as(model_id, seq_id)
+
     def loaded(self, row: ModelRow) -> bool:
         return (
             self._rows.get(row.model_id) is row

@@ -14,14 +14,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle.protocol.load_failure import expected, reason_of
 from treadle.protocol.worker_config import WorkerConfig
 from treadle.server.config import ServerConfig
 from treadle.server.engines.restarts import Restarts, given_up
 from treadle.server.engines.supervisor import worker_config
-from treadle.worker.process import Worker, load_engine
+
+if TYPE_CHECKING:
+    from treadle.worker.process import Worker
 
 log = logging.getLogger("treadle.supervisor")
 
@@ -30,6 +32,8 @@ EngineFactory = Callable[[str, str, ServerConfig], Any]  # (name, folder, config
 
 def default_engine_factory(name: str, path: str, config: ServerConfig) -> Any:
     """The Engine of a served model (what a worker thread runs)."""
+    from treadle.worker.process import load_engine  # torch: only where engines run here
+
     return load_engine(worker_config(config, name, path))
 
 
@@ -88,6 +92,8 @@ class ThreadWorkers:
                 reason = reason_of(e, name, wconfig.path)
                 served, load_failed = False, True
             else:
+                from treadle.worker.process import Worker
+
                 worker = Worker(wconfig, self.address, self.token, replica, engine, in_thread=True)
                 with self._lock:
                     if self._stopping.is_set():

@@ -105,9 +105,11 @@ async def create_model(state: ServerState, tenant: Tenant, body: CreateModelRequ
 
 async def forward_backward(state: ServerState, tenant: Tenant, body: bytes) -> dict:
     msg = await _off_loop_if_big(len(body), codec.parse_forward_backward_request, body)
+    seq_id = int(msg.seq_id)
+    if (rid := await state.models.refiled(msg.model_id, seq_id)) is not None:
+        return _future(rid, msg.model_id)
     row = state.models.require(msg.model_id)
     engine = state.engines.require(row.base_model)
-    seq_id = int(msg.seq_id)
     # a sparse tensor declares its size in a few bytes: what it densifies to counts
     size = max(len(body), 4 * _declared_cells(msg))
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, seq_id):
@@ -148,6 +150,8 @@ async def _off_loop_if_big(size: int, fn: Any, *args: Any) -> Any:
 
 
 async def optim_step(state: ServerState, tenant: Tenant, body: OptimStepRequest) -> dict:
+    if (rid := await state.models.refiled(body.model_id, body.seq_id)) is not None:
+        return _future(rid, body.model_id)
     row = state.models.require(body.model_id)
     engine = state.engines.require(row.base_model)
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, body.seq_id):
@@ -191,6 +195,8 @@ def _ckpt(
 async def save_weights(
     state: ServerState, tenant: Tenant, body: SaveWeightsRequest, key: bytes | None = None
 ) -> dict:
+    if (rid := await state.models.refiled(body.model_id, body.seq_id)) is not None:
+        return _future(rid, body.model_id)
     row = state.models.require(body.model_id)
     engine = state.engines.require(row.base_model)
     async with state.futures.refusing(engine, tenant, row.session_id, row.model_id, body.seq_id):
@@ -211,6 +217,8 @@ async def save_weights_for_sampler(
 ) -> dict:
     """checkpoint_type "external": save_weights_external (the same PEFT adapter, under
     tinker://<run>/external_weights/<name>, downloadable file by file)."""
+    if (rid := await state.models.refiled(body.model_id, body.seq_id)) is not None:
+        return _future(rid, body.model_id)
     row = state.models.require(body.model_id)
     engine = state.engines.require(row.base_model)
     refusing = state.futures.refusing(engine, tenant, row.session_id, row.model_id, body.seq_id)
@@ -299,6 +307,8 @@ async def load_weights(
         await state.models.bind(row, body.model_package_group, body.output_path)
         seq_id = 0
     elif body.model_id is not None:
+        if (rid := await state.models.refiled(body.model_id, body.seq_id)) is not None:
+            return _future(rid, body.model_id)
         row = state.models.require(body.model_id)
         if row.base_model != ckpt.base_model:
             raise InvalidRequestError(

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv sysdeps demo test test-fast compat vllm-venv console-screenshots lint proto bench clean
+.PHONY: venv sysdeps demo test test-durations test-fast compat vllm-venv console-screenshots lint proto bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,17 +40,23 @@ demo: venv
 # The whole suite, as CI runs it (the real-model tests too only with -m slow), after the
 # layering contracts; the 25 slowest tests are listed at the end. Test files run on 3
 # processes at once (pytest-xdist): most of the suite's time is servers starting and workers
-# restarting, which overlap well even on 2 cores. TEST_PROCS=0 runs it in one process.
+# restarting, which overlap well even on 2 cores. The longest files start first (their
+# seconds are in tests/durations.json; `make test-durations` measures them again).
+# TEST_PROCS=0 runs it in one process.
 TEST_PROCS ?= 3
+XDIST = -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder
 test: venv sysdeps
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
+
+test-durations: venv sysdeps
+	$(PY) -m pytest -q $(XDIST) --store-durations
 
 # Everything that starts no process: no server, no kill, no torchrun, no database server,
 # no browser, no compat venv, no vLLM process.
 test-fast: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not (e2e or chaos or dist or pg or browser or compat or vllm or slow)"
+	$(PY) -m pytest -q $(XDIST) -m "not (e2e or chaos or dist or pg or browser or compat or vllm or slow)"
 
 # tinker-cookbook recipes against a real server; builds .venv-compat (pinned cookbook) once.
 compat: venv

@@ -6,7 +6,8 @@ from the HTTP request to the poll that returns its result, in both processes.
 
 The app runs in this process with its worker on a thread (`--engine-processes false`: the
 same Worker code a worker process runs, over an in-process socket), so one profiler sees
-both sides. Every thread is profiled from start-up; only the calls made while the
+both sides. Every thread the app starts is profiled from start-up (not this script's own,
+the client's, which builds the body and reads the reply); only the calls made while the
 forward_backward is filed, run and polled are counted (a warm-up call first, so that
 imports and first-use caches are not), and not the idle-session reaper's timer. A file
 counts if any function defined in it runs.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -48,8 +48,7 @@ def layer_of(path: str) -> str:
 
 def trace_forward_backward() -> list[str]:
     global _recording
-    threading.setprofile(_profile)
-    sys.setprofile(_profile)
+    threading.setprofile(_profile)  # the threads the app starts; not this one, the client's
     from fastapi.testclient import TestClient
 
     from treadle.engine.tiny import make_tiny_model
@@ -104,7 +103,6 @@ def trace_forward_backward() -> list[str]:
             forward_backward(2)
             time.sleep(0.5)  # what runs after the result (the recorder's flush)
             _recording = False
-    sys.setprofile(None)
     threading.setprofile(None)  # type: ignore[arg-type]
     return sorted(_seen, key=_seen.get)
 

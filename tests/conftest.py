@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,3 +165,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("compat")
         if "chaos" in item.keywords or "dist" in item.keywords:
             item.add_marker("e2e")  # they start real servers or processes too
+    items[:] = longest_files_first(items)
+
+
+# ---- file order: the longest files first ----
+# Seconds each test file took in a full run (`make test-durations` writes it). Only the order
+# of the files depends on it; a file it does not know is estimated from its tests' marks.
+DURATIONS = Path(__file__).with_name("durations.json")
+_COST_S = {"chaos": 30.0, "dist": 25.0, "pg": 15.0, "vllm": 15.0, "compat": 10.0,
+           "browser": 8.0, "e2e": 2.0}  # fmt: skip
+_PLAIN_COST_S = 0.2
+
+
+def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The test files in the order of their cost, most expensive first (each file's tests in
+    their own order). `make test` runs whole files on several processes (`--dist loadfile
+    --no-loadscope-reorder`), which take files in this order: started first, the few long
+    files of kills and faults no longer finish alone at the end of the run."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    cost: dict[str, float] = {}
+    for item in items:
+        marks = [_COST_S[m] for m in _COST_S if m in item.keywords]
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(
+            marks, default=_PLAIN_COST_S
+        )
+    cost.update((f, s) for f, s in known.items() if f in cost)
+    return sorted(items, key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations", action="store_true", help=f"write each file's seconds to {DURATIONS}"
+    )
+
+
+_spent: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file = report.nodeid.split("::")[0]
+    _spent[file] = _spent.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--store-durations") and not hasattr(session.config, "workerinput"):
+        ranked = sorted(_spent.items(), key=lambda kv: -kv[1])
+        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in ranked}, indent=0) + "\n")

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from treadle.engine import Engine
-from treadle.engine.models import load_base_model, smollm2_gguf
+from treadle.engine.model_files import smollm2_gguf
+from treadle.engine.models import load_base_model
 from treadle.engine.tiny import make_tiny_model
 from treadle.engine.types import AdamSpec, LoraSpec, TrainBatch, TrainDatum
 

@@ -139,7 +139,7 @@ def child(model: str, impl: str, T: int, context: int) -> dict:
 
 def model_path(model: str) -> str:
     if model == "smollm2":
-        from treadle.engine.models import smollm2_gguf
+        from treadle.engine.model_files import smollm2_gguf
 
         found = smollm2_gguf()
         if found is None:

@@ -44,7 +44,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient  # noqa: E402
-from treadle.engine.models import smollm2_gguf  # noqa: E402
+from treadle.engine.model_files import smollm2_gguf  # noqa: E402
 from treadle.launch import ServerProcess  # noqa: E402
 
 NAME = "smollm2"

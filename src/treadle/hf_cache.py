@@ -70,7 +70,7 @@ def place_in_hf_cache(
     """
     src = Path(model_dir).expanduser()
     if src.is_file() and src.suffix == ".gguf":  # its tokenizer, extracted once
-        from treadle.engine.models import tokenizer_folder
+        from treadle.engine.model_files import tokenizer_folder
 
         src = tokenizer_folder(src, Path(cache_dir or default_cache_dir()) / ".treadle-gguf")
     if not src.is_dir():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from treadle import AdamParams, Datum, ModelInput, ServiceClient
-from treadle.engine.models import model_source
+from treadle.engine.model_files import model_source
 from treadle.launch import ServerProcess
 
 pytestmark = pytest.mark.slow

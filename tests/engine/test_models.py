@@ -8,13 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.engine.models import (
-    eos_token_ids,
-    load_base_model,
-    model_source,
-    smollm2_gguf,
-    tokenizer_folder,
-)
+from treadle.engine.model_files import model_source, smollm2_gguf, tokenizer_folder
+from treadle.engine.models import eos_token_ids, load_base_model
 from treadle.errors import InvalidRequestError
 
 

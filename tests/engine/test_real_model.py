@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.engine.models import load_base_model, model_source, tokenizer_folder
+from treadle.engine.model_files import model_source, tokenizer_folder
+from treadle.engine.models import load_base_model
 from treadle.engine.types import (
     AdamSpec,
     LoraSpec,

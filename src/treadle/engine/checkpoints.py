@@ -35,7 +35,7 @@ from treadle.engine.lora_experts import (
     from_peft,
     to_peft,
 )
-from treadle.engine.models import load_tokenizer, model_source
+from treadle.engine.model_files import load_tokenizer, model_source
 from treadle.engine.optim import check_optimizer_state, optimizer_of
 from treadle.engine.types import LoraSpec
 from treadle.errors import InvalidRequestError

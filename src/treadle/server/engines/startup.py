@@ -3,9 +3,10 @@ in the API process before any worker starts, and a worker that cannot load its m
 the start-up (treadle.server.engines.workers.Workers.start) instead of being started forever.
 
 Checked here, for each served model: its path is a model folder with config.json or a .gguf
-file; a folder's architecture is one transformers can load as a causal LM; its tokenizer
-loads. What only loading the weights tells (not enough memory, corrupt weights) the worker
-says (treadle.protocol.load_failure).
+file. Its worker checks, before loading the weights, that its architecture is one
+transformers can load as a causal LM and that its tokenizer loads; what only loading the
+weights tells (not enough memory, corrupt weights) it says too (treadle.protocol.load_failure).
+Either way the server stops before it listens, with that one line.
 """
 
 from __future__ import annotations
@@ -31,32 +32,13 @@ def check_models(config: ServerConfig) -> dict[str, Path]:
 
 
 def check_model(name: str, path: str, config: ServerConfig) -> Path:
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from treadle.engine.models import model_source, tokenizer_folder
+    """→ the model's tokenizer folder (a GGUF's is extracted once, with transformers); what
+    only transformers can say (its architecture, its tokenizer) its worker checks, before it
+    loads the weights (treadle.engine.model_files.check_loadable), so that this process
+    never imports torch."""
+    from treadle.engine.model_files import tokenizer_folder
 
     try:
-        folder, gguf = model_source(path)
-        if gguf is None:
-            model_type = AutoConfig.from_pretrained(folder, local_files_only=True).model_type
-            if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-                raise ValueError(
-                    f"model_type {model_type!r} is not a causal language model transformers "
-                    "can load"
-                )
-        tokenizers = tokenizer_folder(path, Path(config.data_dir) / "tokenizers")
-        try:
-            AutoTokenizer.from_pretrained(tokenizers, local_files_only=True)
-        except Exception as e:  # noqa: BLE001 - whatever transformers says, said once
-            raise ValueError(f"tokenizer: {_first_line(e)}") from e
-    except CannotStart:
-        raise
+        return tokenizer_folder(path, Path(config.data_dir) / "tokenizers")
     except Exception as e:  # noqa: BLE001 - the model is not served: say why, in one line
         raise CannotStart(reason_of(e, name, path)) from e
-    return tokenizers
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

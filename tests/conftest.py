@@ -183,14 +183,17 @@ def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     --no-loadscope-reorder`), which take files in this order: started first, the few long
     files of kills and faults no longer finish alone at the end of the run."""
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    cost: dict[str, float] = {}
+    estimate: dict[str, float] = {}
     for item in items:
         marks = [_COST_S[m] for m in _COST_S if m in item.keywords]
-        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(
-            marks, default=_PLAIN_COST_S
-        )
-    cost.update((f, s) for f, s in known.items() if f in cost)
-    return sorted(items, key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable
+        file = _file_of(item.nodeid)
+        estimate[file] = estimate.get(file, 0.0) + max(marks, default=_PLAIN_COST_S)
+    cost = {file: known.get(file, guess) for file, guess in estimate.items()}
+    return sorted(items, key=lambda item: -cost[_file_of(item.nodeid)])  # stable
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -203,7 +206,7 @@ _spent: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    file = report.nodeid.split("::")[0]
+    file = _file_of(report.nodeid)
     _spent[file] = _spent.get(file, 0.0) + report.duration
 
 

@@ -25,6 +25,7 @@ boto3 = pytest.importorskip("boto3")
 
 BUCKET = "lifetime"
 SWEEP_S = 0.2
+TTL_S = 3
 WAIT = 120
 FAST_RETRY = RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.1, deadline_s=20)
 
@@ -85,14 +86,16 @@ def test_ttl_deletes_files_local_and_s3_and_the_row_says_so(server, s3):
     try:
         kept = plain.create_lora_training_client(TINY, rank=2).save_state("kept").result(WAIT)
         tc = loose.create_lora_training_client(TINY, rank=2)
-        short = tc.save_weights_for_sampler("short", ttl_seconds=1).result(WAIT)
+        # each checked as soon as it is saved: a TTL short enough to wait for runs out
+        # while a loaded machine makes the next client
+        short = tc.save_weights_for_sampler("short", ttl_seconds=TTL_S).result(WAIT)
+        assert objects(s3, "loose/") and folder_of(server, short.path).is_dir()
         rtc = ruled.create_lora_training_client(TINY, rank=2)
         rtc.save_weights_for_sampler("anchor").result(WAIT)  # makes the group
         ruled.checkpoints.set_retention("ruled", keep_last=5)
-        by_rule = rtc.save_weights_for_sampler("by-rule", ttl_seconds=1).result(WAIT)
-        assert objects(s3, "loose/") and objects(s3, "ruled/")
+        by_rule = rtc.save_weights_for_sampler("by-rule", ttl_seconds=TTL_S).result(WAIT)
+        assert objects(s3, "ruled/") and folder_of(server, by_rule.path).is_dir()
         local = [folder_of(server, p) for p in (short.path, by_rule.path)]
-        assert all(f.is_dir() for f in local)
 
         wait_for(lambda: checkpoint_row(server, short.path)["expired_at"] is not None, "expiry")
         wait_for(lambda: checkpoint_row(server, by_rule.path)["expired_at"] is not None, "expiry")

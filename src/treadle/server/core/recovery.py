@@ -49,6 +49,7 @@ from treadle.server.storage.rows import (
 )
 
 log = logging.getLogger("treadle.recovery")
+RESTORE_READS = 3  # a snapshot replaced while it loads: read the row again, this many times
 
 _DONE_SKIP = Skip(ErrorInfo("TreadleError", "replayed: finished before the restart", "server"))
 
@@ -186,15 +187,8 @@ class Recovery:
     async def _restore_model(
         self, engine: WorkerEngine, row: ModelRow, skip: AbstractSet[str] = frozenset()
     ) -> None:
-        snap = await asyncio.to_thread(self.state.store.get, StateSnapshotRow, row.model_id)
+        snap = await self._restore_state(engine, row.model_id)
         after = snap.seq_id if snap is not None else -1
-        await engine.call(
-            "restore_model",
-            model_id=row.model_id,
-            state_dir=snap.dir if snap is not None else None,
-            samplers=dict(snap.samplers or {}) if snap is not None else {},
-            next_seq=after + 1,
-        )
         with self.state.store.engine.connect() as conn:
             log_rows = queries.model_ops_after(conn, row.model_id, after)
         in_flight = {op.request_id for op in _unfinished(engine)} | set(skip)  # after the await
@@ -287,6 +281,40 @@ class Recovery:
         if failed:
             self.state.futures.finish([Outcome.failed(rid, TreadleError(reason)) for rid in failed])
         await self.state.models.give_up(row, reason)
+
+    async def _restore_state(self, engine: WorkerEngine, model_id: str) -> Any:
+        """Load the model's last state snapshot into the engine; → its row (None: none yet).
+
+        A snapshot the worker sent just before it was taken for gone can be recorded while
+        this restore runs; recording it deletes the folder it replaces, which may be the one
+        read here. The load then fails on a missing folder while the row names a newer
+        one: that one is loaded instead (the log replays from its seq_id)."""
+        read = functools.partial(asyncio.to_thread, self.state.store.get, StateSnapshotRow)
+        snap = await read(model_id)
+        for _ in range(RESTORE_READS - 1):
+            try:
+                await self._load_state(engine, model_id, snap)
+                return snap
+            except EngineDeadError:
+                raise
+            except Exception:
+                newer = await read(model_id)
+                if snap is None or newer is None or newer.dir == snap.dir:
+                    raise
+                log.info("the snapshot of %s was replaced as it loaded: the new one", model_id)
+                snap = newer
+        await self._load_state(engine, model_id, snap)  # the last try: its error is the restore's
+        return snap
+
+    @staticmethod
+    async def _load_state(engine: WorkerEngine, model_id: str, snap: Any) -> None:
+        await engine.call(
+            "restore_model",
+            model_id=model_id,
+            state_dir=snap.dir if snap is not None else None,
+            samplers=dict(snap.samplers or {}) if snap is not None else {},
+            next_seq=(snap.seq_id if snap is not None else -1) + 1,
+        )
 
     # ---- a state snapshot was written ----
     def snapshot_written(self, snap: StateSnapshot) -> None:

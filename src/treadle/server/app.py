@@ -105,7 +105,9 @@ def create_app(config: ServerConfig, engine_factory: EngineFactory | None = None
         # before anything starts: each model's path, architecture and tokenizer
         tokenizer_dirs = await asyncio.to_thread(check_models, config)
         root = packages_root(config)
-        artifacts.remove_leftovers([config.artifacts_dir, root], [root.parent / "cache"])
+        # the state folder too: a snapshot's folders are written beside their names, then renamed
+        leftovers = [config.artifacts_dir, config.state_dir, root]
+        artifacts.remove_leftovers(leftovers, [root.parent / "cache"])
         store = Store(config.resolved_db_url)
         remove_filter = install_tenant_filter(store.session)
         journal = Journal(store.engine)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from treadle.artifacts.folders import atomic_dir
 from treadle.engine.types import SampleRequest
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
 from treadle.protocol.facts import StateSnapshot
@@ -185,8 +186,10 @@ class LiveWeights:
         for ref in self.snapshots.get(model_id, ()):
             if ref not in self._persisted:
                 folder = root / "samplers" / _safe(ref)
-                shutil.rmtree(folder, ignore_errors=True)
-                self.engine.save_adapter(ref, folder)
+                # whole before it is named: a folder of this name is one a snapshot wrote and
+                # never committed (a crash between the two), replaced only by a complete one
+                with atomic_dir(folder) as tmp:
+                    self.engine.save_adapter(ref, tmp)
                 self._persisted[ref] = str(folder)
             samplers[ref] = self._persisted[ref]
         return StateSnapshot(model_id, seq_id, str(final), samplers)

@@ -26,7 +26,11 @@ from treadle.server.engines.remote import WorkerEngine
 
 log = logging.getLogger("treadle.remote")
 
-DEAD_AFTER_S = 3.0
+# Only a worker started elsewhere is found gone this way (one this server started is noticed
+# at its exit). Beats go out every TICK_S from the worker's channel thread, which a loaded
+# host (CPU-bound rollouts, a GIL-holding step) can starve for seconds: dropping a live
+# worker costs a restore of every model it holds and a replay of their ops.
+DEAD_AFTER_S = 10.0
 
 
 class WorkerHub:

@@ -3,6 +3,7 @@ from the HTTP request to the poll that returns its result, in both processes.
 
     .venv/bin/python bench/trip.py               # the list, grouped by package, and one JSON line
     .venv/bin/python bench/trip.py --markdown    # the table docs/architecture.md shows
+    .venv/bin/python bench/trip.py --functions   # each file's functions that ran, and on which threads
 
 The app runs in this process with its worker on a thread (`--engine-processes false`: the
 same Worker code a worker process runs, over an in-process socket), so one profiler sees
@@ -28,6 +29,7 @@ import numpy as np
 SRC = Path(__file__).resolve().parents[1] / "src" / "treadle"
 _recording = False
 _seen: dict[str, int] = {}  # file → order of first call
+_ran: dict[str, dict[str, set[str]]] = {}  # file → its functions that ran → their threads
 # what runs on a timer whatever the calls (the idle-session reaper), not part of the trip
 BACKGROUND = frozenset({"_reap_idle_sessions", "expire_idle_sessions"})
 
@@ -35,8 +37,15 @@ BACKGROUND = frozenset({"_reap_idle_sessions", "expire_idle_sessions"})
 def _profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
     if _recording and event == "call" and frame.f_code.co_name not in BACKGROUND:
         name = frame.f_code.co_filename
-        if name not in _seen and name.startswith(str(SRC)):
-            _seen[name] = len(_seen)
+        if name.startswith(str(SRC)):
+            _seen.setdefault(name, len(_seen))
+            threads = _ran.setdefault(name, {}).setdefault(frame.f_code.co_name, set())
+            threads.add(_thread_name(threading.current_thread().name))
+
+
+def _thread_name(name: str) -> str:
+    # the event loop's thread is named by its id (anyio's portal): one name for it
+    return "event-loop" if name.startswith("asyncio-portal") else name
 
 
 def layer_of(path: str) -> str:
@@ -110,6 +119,7 @@ def trace_forward_backward() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the table of the docs")
+    ap.add_argument("--functions", action="store_true", help="each file's functions and threads")
     args = ap.parse_args()
     files = trace_forward_backward()
     layers: dict[str, list[str]] = {}
@@ -119,6 +129,11 @@ def main() -> None:
         print("| layer | files |\n|---|---|")
         for layer, fs in layers.items():
             print(f"| `{layer}` | {', '.join(f'`{f}`' for f in fs)} |")
+    elif args.functions:
+        for f in files:
+            ran = _ran[f]
+            threads = sorted(set().union(*ran.values()))
+            print(f"{Path(f).relative_to(SRC)}  [{', '.join(threads)}]: {' '.join(sorted(ran))}")
     else:
         for layer, fs in layers.items():
             print(f"{layer:16s} {len(fs):2d}  {' '.join(fs)}")

@@ -202,6 +202,52 @@ def test_a_grpo_loop_killed_while_sampling(tiny_model_dir, tmp_path):
     assert steps_in_state(tmp_path / "data", path) == 4
 
 
+def test_a_crash_after_the_oldest_sampler_was_dropped_is_recovered(tiny_model_dir, tmp_path):
+    """An RL loop makes a sampler every step, and a model keeps only the newest
+    `max_snapshots_per_model` of them. The last recorded state snapshot names samplers
+    dropped since: their folders must outlive them until a newer snapshot is recorded, or
+    a crash in between leaves a model that cannot be restored."""
+    config = {"snapshot_every_steps": 2, "max_snapshots_per_model": 2}
+    server = ServerProcess({TINY: tiny_model_dir}, tmp_path / "data", config=config).start()
+    db = sqlite3.connect(tmp_path / "data" / "treadle.db")
+    try:
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4, seed=5)
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+
+        def step(n: int) -> None:
+            tc.save_weights_and_get_sampling_client().sample(
+                ModelInput.from_ints([5, 6, 7]), 2, params
+            ).result()
+            tc.forward_backward(data(n), "cross_entropy").result()
+            tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+
+        step(0)
+        step(1)  # the second optimizer step: a state snapshot naming both samplers is due
+        deadline, named = time.monotonic() + 60, {}
+        while len(named) < 2 and time.monotonic() < deadline:
+            row = db.execute(
+                "SELECT samplers FROM state_snapshots WHERE model_id = ?", (tc.model_id,)
+            ).fetchone()
+            named = json.loads(row[0]) if row else {}
+            time.sleep(0.05)
+        assert len(named) == 2, named
+        # a third sampler drops the first, which the recorded snapshot still names
+        latest = tc.save_weights_and_get_sampling_client()
+        latest.sample(ModelInput.from_ints([5, 6, 7]), 2, params).result()
+        assert all(Path(folder).is_dir() for folder in named.values())
+        for pid in server.children():
+            os.kill(pid, signal.SIGKILL)
+        step(2)  # after the restore: the model comes back from that snapshot
+        assert len(latest.sample(ModelInput.from_ints([8, 9]), 2, params).result().sequences) == 2
+        path = tc.save_state("after-crash").result().path
+        svc.close()
+    finally:
+        db.close()
+        server.stop()
+    assert steps_in_state(tmp_path / "data", path) == 3
+
+
 def test_the_tinker_sdk_rides_out_a_restart(tiny_model_dir, tmp_path):
     tinker = pytest.importorskip("tinker")
     from tinker import types as T

@@ -89,6 +89,21 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_state_folders(folders: list[str]) -> None:
+    """Delete state snapshot folders no row names any more, and the folders that held them
+    once empty (a model's `samplers/`, then the model's own)."""
+    parents = set()
+    for folder in folders:
+        path = Path(folder)
+        shutil.rmtree(path, ignore_errors=True)
+        parents.add(path.parent)
+        if path.parent.name == "samplers":
+            parents.add(path.parent.parent)
+    for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: another snapshot still lives there
+            parent.rmdir()
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

@@ -15,7 +15,8 @@ the batch until it compacts, and every decode step routes all of its rows).
 
 State snapshots (`snapshot_state`) are what recovery loads before it replays later ops:
 a model's adapter, AdamW moments, step and accumulated gradients, and its sampler
-snapshots not yet on disk, in a new folder complete before it is named.
+snapshots not yet on disk, in a new folder complete before it is named. The worker writes
+these folders and never deletes them: the API does, once no recorded snapshot names them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import shutil
 import threading
 import uuid
 from collections import Counter, deque
@@ -216,9 +216,10 @@ class LiveWeights:
             self._live.discard(ref)
         if self._on_refs is not None:
             self._on_refs([], [ref])
-        folder = self._persisted.pop(ref, None)
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+        # Its folder on disk stays: the last recorded state snapshot may name it, and a crash
+        # before a newer one is recorded restores that one. The API deletes it once no row
+        # names it (queries.record_snapshot, drop_states).
+        self._persisted.pop(ref, None)
         self._drop_later.add(ref)  # a sample op may still decode with it
         self.collect()
 

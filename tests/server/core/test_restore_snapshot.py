@@ -20,8 +20,16 @@ from treadle.errors import InvalidRequestError
 from treadle.server.core.recovery import Recovery
 from treadle.server.storage import queries
 from treadle.server.storage.database import Store
+from treadle.server.storage.rows import ModelRow
 
 MODEL = "s:train:0"
+MODEL_ROW = {
+    "model_id": MODEL,
+    "run_id": "r",
+    "session_id": "s",
+    "base_model": "b",
+    "lora_config": {},
+}
 
 
 class Worker:
@@ -46,14 +54,16 @@ def record(store: Store, seq_id: int, folder: Path) -> None:
     """What the API does with a worker's snapshot: record it, delete the folder replaced."""
     folder.mkdir()
     with store.engine.begin() as conn:
-        old = queries.record_snapshot(conn, MODEL, seq_id, str(folder), {})
-    if old:
+        unnamed = queries.record_snapshot(conn, MODEL, seq_id, str(folder), {})
+    for old in unnamed:
         shutil.rmtree(old)
 
 
 @pytest.fixture
 def store(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'treadle.db'}")
+    with store.engine.begin() as conn:
+        queries.insert_row(conn, ModelRow, MODEL_ROW)
     yield store
     store.close()
 

@@ -13,6 +13,7 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from treadle.artifacts.folders import remove_state_folders
 from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.protocol.ops import ModelResult, OpKind, Outcome
 from treadle.server.core.futures import Futures
@@ -22,7 +23,7 @@ from treadle.server.engines.served import Engines
 from treadle.server.registry.bindings import Bindings
 from treadle.server.storage.database import Store
 from treadle.server.storage.journal import Journal
-from treadle.server.storage.queries import insert_row, set_model_status
+from treadle.server.storage.queries import drop_states, insert_row, set_model_status
 from treadle.server.storage.rows import ModelRow, RequestRow, new_id, utcnow
 from treadle.server.tenancy.auth import Tenant, owns
 from treadle.types import TRAINING_SESSION_NAME
@@ -199,6 +200,7 @@ class TrainingModels:
         self.journal.submit(
             functools.partial(set_model_status, model_id=model_id, status="unloaded"), _log_error
         )
+        self._forget_states([model_id])
         engine = self.engines.require(row.base_model)
         reason = f"model {model_id!r} was unloaded before this request ran"
 
@@ -214,7 +216,8 @@ class TrainingModels:
         return rid
 
     async def on_session_ended(self, models: list[tuple[str, str]], reason: str) -> None:
-        """Free the adapters of a session that ended."""
+        """Free the adapters of a session that ended (their rows say so by now)."""
+        self._forget_states([model_id for model_id, _ in models])
         for model_id, base_model in models:
             if model_id in self._rows:
                 self._rows[model_id].status = "unloaded"
@@ -237,6 +240,18 @@ class TrainingModels:
         )
         self.journal.submit(unloaded, _log_error)
         await self.on_session_ended([(row.model_id, row.base_model)], reason)
+
+    def _forget_states(self, model_ids: list[str]) -> None:
+        """Nothing restores a model no longer loaded: its state snapshot goes, after the
+        write that unloaded it (one still on its way is refused as it arrives)."""
+
+        def remove(folders: list[str] | None, error: BaseException | None) -> None:
+            _log_error(folders, error)
+            if folders:
+                remove_state_folders(folders)
+
+        if model_ids:
+            self.journal.submit(functools.partial(drop_states, model_ids=model_ids), remove)
 
     def find_run(self, run_or_model_id: str) -> ModelRow:
         rows = self.store.query(

@@ -32,6 +32,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from treadle.artifacts.folders import remove_state_folders
 from treadle.errors import EngineDeadError, ErrorInfo, NotFoundError, TreadleError
 from treadle.protocol.facts import StateSnapshot
 from treadle.protocol.messages import decode_payload
@@ -75,8 +76,10 @@ class Recovery:
             state.sessions.restore(row.session_id, row.tenant_id)
         for row in models:
             state.models.restore(row)
-        with store.engine.connect() as conn:
+        with store.engine.begin() as conn:
             pending = queries.pending_requests(conn)
+            unloaded_states = queries.drop_states(conn)  # of models unloaded before a crash
+        remove_state_folders(unloaded_states)
         gone = self._unloaded_models(
             {r["model_id"] for r in pending} - {m.model_id for m in models}
         )
@@ -318,7 +321,7 @@ class Recovery:
 
     # ---- a state snapshot was written ----
     def snapshot_written(self, snap: StateSnapshot) -> None:
-        """Any thread: record it (the op log before it can go), then delete the old one."""
+        """Any thread: record it (the op log before it can go), then delete what it replaced."""
         write = functools.partial(
             queries.record_snapshot,
             model_id=snap.model_id,
@@ -327,11 +330,11 @@ class Recovery:
             samplers=snap.samplers,
         )
 
-        def done(old: Any, error: BaseException | None) -> None:
+        def done(unnamed: list[str] | None, error: BaseException | None) -> None:
             if error is not None:
                 log.error("could not record the snapshot of %s", snap.model_id, exc_info=error)
-            elif old:
-                shutil.rmtree(old, ignore_errors=True)
+            elif unnamed:
+                remove_state_folders(unnamed)
 
         self.state.journal.submit(write, done)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from treadle.server.storage.rows import (
     Base,
@@ -224,12 +224,22 @@ def pending_requests(conn: Connection) -> list[dict[str, Any]]:
 
 def record_snapshot(
     conn: Connection, model_id: str, seq_id: int, folder: str, samplers: dict[str, str]
-) -> str | None:
-    """The model's new state snapshot (kept only if newer); → the folder it replaces."""
+) -> list[str]:
+    """The model's new state snapshot, kept if its model is still loaded and it is newer than
+    the recorded one; → the folders no row names any more, to delete: the snapshot replaced
+    and its sampler folders the new one no longer names (its model dropped those samplers:
+    their folders stay until now, as a crash before this commit restores the old one)."""
     t = StateSnapshotRow.__table__
-    old = conn.execute(select(t.c.seq_id, t.c.dir).where(t.c.model_id == model_id)).first()
+    models = ModelRow.__table__
+    status = conn.execute(select(models.c.status).where(models.c.model_id == model_id)).scalar()
+    if status != "active":  # unloaded meanwhile (drop_states forgets what it had): no restore
+        return [folder, *samplers.values()]
+    old = conn.execute(select(t.c.seq_id, t.c.dir, t.c.samplers).where(t.c.model_id == model_id))
+    old = old.first()
     if old is not None and old.seq_id > seq_id:
-        return folder  # an older snapshot arrived late: it is the one to delete
+        return [folder]  # an older snapshot arrived late: it is the one to delete
+    if old is not None and old.dir == folder:
+        return []  # the same snapshot again
     values = {"seq_id": seq_id, "dir": folder, "samplers": samplers, "created_at": utcnow()}
     if old is None:
         conn.execute(insert(t), {"model_id": model_id, **values})
@@ -241,7 +251,26 @@ def record_snapshot(
         .where((r.c.model_id == model_id) & (r.c.seq_id <= seq_id) & (r.c.status != "pending"))
         .values(payload=None)
     )
-    return old.dir if old is not None else None
+    if old is None:
+        return []
+    named = set(samplers.values())
+    return [old.dir, *(f for f in (old.samplers or {}).values() if f not in named)]
+
+
+def drop_states(conn: Connection, model_ids: list[str] | None = None) -> list[str]:
+    """Forget the state snapshots of models no longer loaded (these, or every such model:
+    None); → their folders, to delete."""
+    t, models = StateSnapshotRow.__table__, ModelRow.__table__
+    if model_ids is None:
+        active = select(models.c.model_id).where(models.c.status == "active")
+        model_ids = list(conn.execute(select(t.c.model_id).where(t.c.model_id.not_in(active))))
+        model_ids = [m for (m,) in model_ids]
+    if not model_ids:
+        return []
+    which = t.c.model_id.in_(model_ids)
+    rows = conn.execute(select(t.c.dir, t.c.samplers).where(which)).all()
+    conn.execute(delete(t).where(which))
+    return [f for folder, samplers in rows for f in (folder, *(samplers or {}).values())]
 
 
 def next_client(conn: Connection, sampling_session_id: str) -> int:

@@ -185,7 +185,10 @@ def test_chats_stream_through_a_group(group):
         assert text == plain
         first, last = times[0] - start, times[-1] - start
         assert first < 0.5 * last, (first, last)
-        assert sum(1 for t in times if t - start < 0.75 * last) >= len(times) // 2
+        # no burst at the end: a loaded host slows a stream down, it does not bunch it up
+        span = times[-1] - times[0]
+        bunched = sum(1 for t in times if t > times[-1] - 0.1 * span)
+        assert bunched < len(times) // 2, (bunched, len(times))
 
 
 def test_a_forward_backward_finishes_during_a_long_generation(group):

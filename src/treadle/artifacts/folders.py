@@ -104,6 +104,19 @@ def remove_state_folders(folders: list[str]) -> None:
             parent.rmdir()
 
 
+def unnamed_state_folders(state_root: Path, named: set[str]) -> list[str]:
+    """The state snapshot folders under `state_root` (`<model>/state-*`,
+    `<model>/samplers/*`) that are not in `named` (compared resolved): what a snapshot
+    written but never recorded left (a crash between the two, or one that arrived late)."""
+    keep = {Path(folder).resolve() for folder in named}
+    found = [*state_root.glob("*/state-*"), *state_root.glob("*/samplers/*")]
+    return [
+        str(path)
+        for path in found
+        if path.is_dir() and not path.name.startswith(".") and path.resolve() not in keep
+    ]
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

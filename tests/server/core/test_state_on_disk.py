@@ -1,8 +1,8 @@
 """What a training model's state snapshots keep on disk, through the real app and worker:
 an RL loop making a sampler every step keeps the folders its last recorded snapshot names
-(the samplers it dropped since stay until a newer one is recorded, and then go), and an
-unloaded model keeps nothing. The kill that needs those folders is in
-tests/acceptance/test_recovery.py.
+(the samplers it dropped since stay until a newer one is recorded, and then go), an
+unloaded model keeps nothing, and a restart removes the folders no row names. The kill that
+needs those folders is in tests/acceptance/test_recovery.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from _inproc import InProcessServer
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 
 TINY = "treadle/tiny-llama"
+PROBE = [
+    Datum(
+        model_input=ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+    )
+]
 CONFIG = {"snapshot_every_steps": 1, "max_snapshots_per_model": 2}
 
 
@@ -69,3 +75,30 @@ def test_an_rl_loop_keeps_only_what_its_last_snapshot_names(tiny_model_dir, tmp_
         assert r.status_code == 200, r.text
         settle(lambda: not model_dir.exists() and not recorded(data_dir, tc.model_id))
         svc.close()
+
+
+def test_a_restart_removes_snapshot_folders_no_row_names(tiny_model_dir, tmp_path):
+    data_dir = tmp_path / "data"
+    with InProcessServer({TINY: tiny_model_dir}, data_dir, config=CONFIG) as server:
+        svc = ServiceClient(base_url=server.url)
+        tc = svc.create_lora_training_client(TINY, rank=4, seed=1)
+        tc.save_weights_and_get_sampling_client()
+        tc.forward_backward(PROBE, "cross_entropy").result()
+        tc.optim_step(AdamParams(learning_rate=1e-3)).result()
+        settle(lambda: len(recorded(data_dir, tc.model_id)) == 2)  # its state and 1 sampler
+        svc.close()
+    named = recorded(data_dir, tc.model_id)
+    model_dir = data_dir / "artifacts" / ".state" / tc.model_id.replace(":", "_")
+    # written and renamed, never recorded: a crash between the two, or a late arrival
+    orphans = [
+        model_dir / "state-0-1a2b3c4d",
+        model_dir / "samplers" / "snap_gone",
+        model_dir.parent / "x_train_9" / "state-4-5e6f7a8b",
+    ]
+    for folder in orphans:
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"0")
+    with InProcessServer({TINY: tiny_model_dir}, data_dir, config=CONFIG):
+        assert on_disk(model_dir) == named == recorded(data_dir, tc.model_id)
+        assert not any(folder.exists() for folder in orphans)
+        assert not (model_dir.parent / "x_train_9").exists()

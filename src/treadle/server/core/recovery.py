@@ -32,7 +32,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from treadle.artifacts.folders import remove_state_folders
+from treadle.artifacts.folders import remove_state_folders, unnamed_state_folders
 from treadle.errors import EngineDeadError, ErrorInfo, NotFoundError, TreadleError
 from treadle.protocol.facts import StateSnapshot
 from treadle.protocol.messages import decode_payload
@@ -79,7 +79,13 @@ class Recovery:
         with store.engine.begin() as conn:
             pending = queries.pending_requests(conn)
             unloaded_states = queries.drop_states(conn)  # of models unloaded before a crash
+            named = queries.snapshot_folders(conn)
         remove_state_folders(unloaded_states)
+        config = state.config
+        # this server starts every worker, after this (the ones before died with their
+        # server): none is writing a snapshot, so a folder no row names never will be
+        if config.start_workers or not config.engine_processes:
+            remove_state_folders(unnamed_state_folders(config.state_dir, named))
         gone = self._unloaded_models(
             {r["model_id"] for r in pending} - {m.model_id for m in models}
         )

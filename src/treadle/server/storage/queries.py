@@ -273,6 +273,13 @@ def drop_states(conn: Connection, model_ids: list[str] | None = None) -> list[st
     return [f for folder, samplers in rows for f in (folder, *(samplers or {}).values())]
 
 
+def snapshot_folders(conn: Connection) -> set[str]:
+    """Every folder a recorded state snapshot names: state folders and sampler folders."""
+    t = StateSnapshotRow.__table__
+    rows = conn.execute(select(t.c.dir, t.c.samplers)).all()
+    return {f for folder, samplers in rows for f in (folder, *(samplers or {}).values())}
+
+
 def next_client(conn: Connection, sampling_session_id: str) -> int:
     """Count one more client of a sampling session; → its number (1, 2, ...)."""
     table = SamplingSessionRow.__table__

@@ -103,6 +103,10 @@ class Prometheus:
                 last = self.value(expr)
             except httpx.TransportError:
                 last = None
+            except httpx.HTTPStatusError as e:  # 503 until its storage is open (/-/ready)
+                if e.response.status_code != 503:
+                    raise
+                last = None
             if last is not None and ok(last):
                 return last
             time.sleep(0.5)

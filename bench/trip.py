@@ -28,8 +28,8 @@ import numpy as np
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "treadle"
 _recording = False
-_seen: dict[str, int] = {}  # file → order of first call
-_ran: dict[str, dict[str, set[str]]] = {}  # file → its functions that ran → their threads
+# file → its functions that ran → their threads; files in the order of their first call
+_ran: dict[str, dict[str, set[str]]] = {}
 # what runs on a timer whatever the calls (the idle-session reaper), not part of the trip
 BACKGROUND = frozenset({"_reap_idle_sessions", "expire_idle_sessions"})
 
@@ -38,7 +38,6 @@ def _profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
     if _recording and event == "call" and frame.f_code.co_name not in BACKGROUND:
         name = frame.f_code.co_filename
         if name.startswith(str(SRC)):
-            _seen.setdefault(name, len(_seen))
             threads = _ran.setdefault(name, {}).setdefault(frame.f_code.co_name, set())
             threads.add(_thread_name(threading.current_thread().name))
 
@@ -113,7 +112,7 @@ def trace_forward_backward() -> list[str]:
             time.sleep(0.5)  # what runs after the result (the recorder's flush)
             _recording = False
     threading.setprofile(None)  # type: ignore[arg-type]
-    return sorted(_seen, key=_seen.get)
+    return list(_ran)
 
 
 def main() -> None:

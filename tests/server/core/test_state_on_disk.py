@@ -36,6 +36,15 @@ def recorded(data_dir: Path, model_id: str) -> set[str]:
     return set() if row is None else {row[0], *json.loads(row[1]).values()}
 
 
+def model_dir_of(data_dir: Path, model_id: str) -> Path:
+    """The model's folder of snapshots: where the worker put the recorded state folder."""
+    with sqlite3.connect(data_dir / "treadle.db") as db:
+        (folder,) = db.execute(
+            "SELECT dir FROM state_snapshots WHERE model_id = ?", (model_id,)
+        ).fetchone()
+    return Path(folder).parent
+
+
 def on_disk(model_dir: Path) -> set[str]:
     if not model_dir.is_dir():
         return set()
@@ -55,7 +64,6 @@ def test_an_rl_loop_keeps_only_what_its_last_snapshot_names(tiny_model_dir, tmp_
     with InProcessServer({TINY: tiny_model_dir}, data_dir, config=CONFIG) as server:
         svc = ServiceClient(base_url=server.url)
         tc = svc.create_lora_training_client(TINY, rank=4, seed=1)
-        model_dir = data_dir / "artifacts" / ".state" / tc.model_id.replace(":", "_")
         params = SamplingParams(max_tokens=3, temperature=1.0, seed=0)
         for _ in range(5):
             sampler = tc.save_weights_and_get_sampling_client()
@@ -69,6 +77,7 @@ def test_an_rl_loop_keeps_only_what_its_last_snapshot_names(tiny_model_dir, tmp_
             tc.optim_step(AdamParams(learning_rate=1e-3)).result()
         # the last snapshot (every step) names its state and the 2 samplers the model holds
         settle(lambda: len(recorded(data_dir, tc.model_id)) == 3)
+        model_dir = model_dir_of(data_dir, tc.model_id)
         settle(lambda: on_disk(model_dir) == recorded(data_dir, tc.model_id))
 
         r = httpx.post(f"{server.url}/api/v1/unload_model", json={"model_id": tc.model_id})
@@ -86,19 +95,22 @@ def test_a_restart_removes_snapshot_folders_no_row_names(tiny_model_dir, tmp_pat
         tc.forward_backward(PROBE, "cross_entropy").result()
         tc.optim_step(AdamParams(learning_rate=1e-3)).result()
         settle(lambda: len(recorded(data_dir, tc.model_id)) == 2)  # its state and 1 sampler
-        svc.close()
-    named = recorded(data_dir, tc.model_id)
-    model_dir = data_dir / "artifacts" / ".state" / tc.model_id.replace(":", "_")
-    # written and renamed, never recorded: a crash between the two, or a late arrival
-    orphans = [
-        model_dir / "state-0-1a2b3c4d",
-        model_dir / "samplers" / "snap_gone",
-        model_dir.parent / "x_train_9" / "state-4-5e6f7a8b",
-    ]
-    for folder in orphans:
-        folder.mkdir(parents=True)
-        (folder / "adapter_model.safetensors").write_bytes(b"0")
-    with InProcessServer({TINY: tiny_model_dir}, data_dir, config=CONFIG):
+        server.stop()  # with the session open: its model is restored at the next start
+        named = recorded(data_dir, tc.model_id)
+        model_dir = model_dir_of(data_dir, tc.model_id)
+        # written and renamed, never recorded: a crash between the two, or a late arrival
+        orphans = [
+            model_dir / "state-0-1a2b3c4d",
+            model_dir / "samplers" / "snap_gone",
+            model_dir.parent / "x_train_9" / "state-4-5e6f7a8b",
+        ]
+        for folder in orphans:
+            folder.mkdir(parents=True)
+            (folder / "adapter_model.safetensors").write_bytes(b"0")
+        assert len(named) == 2 and on_disk(model_dir) == named | {str(f) for f in orphans[:2]}
+        server.start()
         assert on_disk(model_dir) == named == recorded(data_dir, tc.model_id)
         assert not any(folder.exists() for folder in orphans)
         assert not (model_dir.parent / "x_train_9").exists()
+        tc.forward_backward(PROBE, "cross_entropy").result()  # restored from what was kept
+        svc.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, true, update
 
 from treadle.server.storage.rows import (
     Base,
@@ -263,21 +263,24 @@ def drop_states(conn: Connection, model_ids: list[str] | None = None) -> list[st
     t, models = StateSnapshotRow.__table__, ModelRow.__table__
     if model_ids is None:
         active = select(models.c.model_id).where(models.c.status == "active")
-        model_ids = list(conn.execute(select(t.c.model_id).where(t.c.model_id.not_in(active))))
-        model_ids = [m for (m,) in model_ids]
-    if not model_ids:
-        return []
-    which = t.c.model_id.in_(model_ids)
-    rows = conn.execute(select(t.c.dir, t.c.samplers).where(which)).all()
+        which = t.c.model_id.not_in(active)
+    else:
+        which = t.c.model_id.in_(model_ids)
+    folders = _named_folders(conn, which)
     conn.execute(delete(t).where(which))
-    return [f for folder, samplers in rows for f in (folder, *(samplers or {}).values())]
+    return folders
 
 
 def snapshot_folders(conn: Connection) -> set[str]:
     """Every folder a recorded state snapshot names: state folders and sampler folders."""
+    return set(_named_folders(conn, true()))
+
+
+def _named_folders(conn: Connection, which: Any) -> list[str]:
+    """The state and sampler folders the snapshot rows `which` selects name."""
     t = StateSnapshotRow.__table__
-    rows = conn.execute(select(t.c.dir, t.c.samplers)).all()
-    return {f for folder, samplers in rows for f in (folder, *(samplers or {}).values())}
+    rows = conn.execute(select(t.c.dir, t.c.samplers).where(which)).all()
+    return [f for folder, samplers in rows for f in (folder, *(samplers or {}).values())]
 
 
 def next_client(conn: Connection, sampling_session_id: str) -> int:

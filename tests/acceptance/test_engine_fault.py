@@ -339,7 +339,7 @@ def test_a_poisoned_train_call_restarts_the_worker_and_spares_its_neighbour(
     # round runs them as one engine call (the fault's first report names both)
     filler = victim_svc.create_lora_training_client(TINY, rank=4, seed=3)
     long_call = filler.forward_backward(datums([3, 4], n=120) * 32, "cross_entropy")
-    time.sleep(0.05)
+    wait_running(server)  # a loaded host can take longer than any fixed pause to start it
     bad = hostile.forward_backward(datums(poison, rows=2), "cross_entropy")  # a row per rank
     good = victim.forward_backward(clean, "cross_entropy")
     with pytest.raises(Exception, match="not run again") as caught:
